@@ -1,0 +1,1 @@
+"""Triton kernels: plain functions of tensors, no autograd, arguments checked by ``dropless.ops``."""

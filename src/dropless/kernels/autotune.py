@@ -1,0 +1,53 @@
+"""Pick a tile configuration per problem class by timing the candidates once, then cache it.
+
+A problem class is (kernel, device, dtype, layout, K, N, E, M rounded up to a power of two). Tuning
+runs real launches on scratch outputs, so it never touches the caller's tensors, and it never runs
+while a CUDA graph is being captured: a class first seen under capture takes the default config.
+Set ``DROPLESS_AUTOTUNE=0`` to always take the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.launch import interpreting
+
+
+def problem_class(*parts: Hashable, M: int) -> tuple:
+    """A cache key: the given parts and M rounded up to a power of two."""
+    return (*parts, triton.next_power_of_2(max(M, 1)))
+
+
+class Autotuner:
+    """Chooses among ``candidates`` for each problem class; ``default`` wherever it cannot time."""
+
+    def __init__(self, name: str, candidates: Sequence[GemmConfig], default: GemmConfig,
+                 interpreter_config: GemmConfig) -> None:
+        self.name = name
+        self.candidates = list(candidates)
+        self.default = default
+        self.interpreter_config = interpreter_config
+        self.cache: dict[tuple, GemmConfig] = {}
+
+    def choose(self, key: tuple, device: torch.device, run: Callable[[GemmConfig], None]) -> GemmConfig:
+        """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate."""
+        if interpreting() and device.type != "cuda":
+            return self.interpreter_config
+        if key in self.cache:
+            return self.cache[key]
+        if os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+            return self.default
+        timings = {}
+        for config in self.candidates:
+            try:
+                timings[config] = do_bench(lambda: run(config), warmup=5, rep=20)
+            except triton.runtime.errors.OutOfResources:
+                continue
+        self.cache[key] = min(timings, key=timings.get) if timings else self.default
+        return self.cache[key]

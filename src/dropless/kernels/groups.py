@@ -1,0 +1,46 @@
+"""Device-side group table: every program derives the group boundaries from ``offsets`` itself.
+
+The host never learns the group sizes. Each program loads the whole ``offsets`` vector (E <= a few
+thousand, a few registers per thread) and answers "which group owns tile t" with one vector compare
+and sum, so tiles can be numbered over all groups and handed out by a persistent grid.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def group_bounds(offsets_ptr, E, M, E_POW2: tl.constexpr):
+    """Row range ``[starts[e], ends[e])`` of each group as ``[E_POW2]`` int32 vectors.
+
+    Entry ``E`` is the tail: rows ``[offsets[E-1], M)`` that belong to no expert. Entries past it
+    are empty. Every bound is clamped to ``[0, M]``, so malformed offsets cannot address memory
+    outside the operands.
+    """
+    e = tl.arange(0, E_POW2)
+    ends = tl.load(offsets_ptr + e, mask=e < E, other=M).to(tl.int32)
+    starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e <= E), other=0).to(tl.int32)
+    starts = tl.where(e > E, M, starts)
+    ends = tl.minimum(tl.maximum(ends, 0), M)
+    starts = tl.minimum(tl.maximum(starts, 0), M)
+    return starts, tl.maximum(ends, starts)
+
+
+@triton.jit
+def pick(values, index, E_POW2: tl.constexpr):
+    """``values[index]`` for a register vector ``values [E_POW2]`` and a scalar ``index``."""
+    return tl.sum(tl.where(tl.arange(0, E_POW2) == index, values, 0), axis=0)
+
+
+@triton.jit
+def grouped_raster(local_tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Map a tile number inside one group to ``(pid_m, pid_n)``, GROUP_M rows of tiles at a time.
+
+    Neighbouring programs then share the same few A row-blocks and B column-blocks, which stay in L2.
+    """
+    width = GROUP_M * tiles_n
+    first_m = (local_tile // width) * GROUP_M
+    group_size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local_tile % width) % group_size_m
+    pid_n = (local_tile % width) // group_size_m
+    return pid_m, pid_n

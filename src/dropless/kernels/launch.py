@@ -1,0 +1,67 @@
+"""What a launch needs to know about the device it runs on: program count, TMA, interpreter."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and strides
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through ``TRITON_INTERPRET=1``."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Per-device launch facts.
+
+    num_programs: size of the persistent grid. tma: the device has the tensor memory accelerator
+    (Hopper or newer, or the interpreter, which emulates it). upcast: dot operands are upcast to fp32
+    first (the interpreter's bf16/fp16 ``tl.dot`` is unreliable).
+    """
+
+    num_programs: int
+    tma: bool
+    upcast: bool
+
+    @staticmethod
+    def precision(dtype: torch.dtype) -> str:
+        """fp32 operands multiply in full fp32; 16-bit ones use the tensor cores natively."""
+        return "ieee" if dtype == torch.float32 else "tf32"
+
+    @staticmethod
+    def tma_ok(t: torch.Tensor) -> bool:
+        """A tensor can be read through a TMA descriptor: unit last stride, 16-byte aligned rest."""
+        size = t.element_size()
+        return (t.stride(-1) == 1 and t.data_ptr() % _TMA_ALIGN == 0
+                and all((s * size) % _TMA_ALIGN == 0 for s in t.stride()[:-1]))
+
+    @staticmethod
+    def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
+
+
+@functools.cache
+def _device_info(device: torch.device) -> LaunchInfo:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return LaunchInfo(num_programs=props.multi_processor_count, tma=props.major >= 9, upcast=False)
+    return LaunchInfo(num_programs=4, tma=True, upcast=True)
+
+
+def launch_info(device: torch.device, tma: bool | None = None) -> LaunchInfo:
+    """Launch facts for ``device``; ``tma=False`` forces the pointer path (``True`` is a request)."""
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"Triton kernels need a CUDA tensor (got device {device}); set TRITON_INTERPRET=1 to run "
+            "them on the CPU, or use the reference backend")
+    info = _device_info(torch.device(device.type, device.index or 0) if device.type == "cuda" else device)
+    if tma is False and info.tma:
+        return LaunchInfo(info.num_programs, False, info.upcast)
+    return info

@@ -1,0 +1,125 @@
+"""Ragged-K grouped GEMM (weight gradient).
+
+    c[e] = a[s_e:t_e, :]^T @ b[s_e:t_e, :]     for every group e, with s_e = offsets[e-1], t_e = offsets[e]
+
+a: [M, K] row-major (the layer input x); b: [M, N] row-major (the output gradient dy); c: [E, K, N]
+(any strides), zero for an empty group. The reduction runs over the group's rows, so its length is
+known only on the device: each tile steps over full BLOCK_M row blocks without masks and finishes with
+one masked block. In the epilogue the tile can add into ``c`` (an fp32 ``main_grad``), for all experts
+or for those whose flag is set.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.groups import grouped_raster
+from dropless.kernels.launch import LaunchInfo
+
+NO_ACCUMULATE, ACCUMULATE_ALL, ACCUMULATE_FLAGGED = 0, 1, 2
+
+
+@triton.jit
+def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows ``[row0, row0 + BLOCK_M)`` of a (columns from k0) and b (columns from n0). Rows past
+    ``end`` read as 0 on the pointer path and as whatever follows on the TMA path."""
+    if USE_TMA:
+        a_tile = a.load([row0, k0])
+        b_tile = b.load([row0, n0])
+    else:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ns = n0 + tl.arange(0, BLOCK_N)
+        a_tile = tl.load(a + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak,
+                         mask=(rows < end)[:, None] & (ks < K)[None, :], other=0.0)
+        b_tile = tl.load(b + rows.to(tl.int64)[:, None] * stride_bm + ns[None, :] * stride_bn,
+                         mask=(rows < end)[:, None] & (ns < N)[None, :], other=0.0)
+    if UPCAST:
+        a_tile = a_tile.to(tl.float32)
+        b_tile = b_tile.to(tl.float32)
+    return a_tile, b_tile
+
+
+@triton.jit
+def _ragged_k_kernel(
+    a, b, c, offsets_ptr, flags_ptr,
+    M, N, K, E,
+    stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_group = tiles_k * tiles_n
+    for tile_id in tl.range(tl.program_id(0), E * tiles_per_group, NUM_PROGRAMS):
+        group = tile_id // tiles_per_group
+        pid_k, pid_n = grouped_raster(tile_id % tiles_per_group, tiles_k, tiles_n, GROUP_M)
+        end = tl.load(offsets_ptr + group).to(tl.int32)
+        start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
+        end = tl.minimum(tl.maximum(end, 0), M)
+        start = tl.minimum(tl.maximum(start, 0), end)
+        k0 = pid_k * BLOCK_K
+        n0 = pid_n * BLOCK_N
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ns = n0 + tl.arange(0, BLOCK_N)
+
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        full_steps = (end - start) // BLOCK_M
+        for step in range(full_steps):
+            a_tile, b_tile = _load_rows(a, b, start + step * BLOCK_M, end, k0, n0, N, K,
+                                        stride_am, stride_ak, stride_bm, stride_bn,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+            acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
+        row0 = start + full_steps * BLOCK_M
+        if row0 < end:
+            # The last, partial block: rows past the group's end belong to the next group.
+            a_tile, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K,
+                                        stride_am, stride_ak, stride_bm, stride_bn,
+                                        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+            a_tile = tl.where((row0 + tl.arange(0, BLOCK_M) < end)[:, None], a_tile, 0.0)
+            acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
+
+        c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn
+        c_mask = (ks < K)[:, None] & (ns < N)[None, :]
+        if ACCUMULATE == 1:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        elif ACCUMULATE == 2:
+            if tl.load(flags_ptr + group) != 0:
+                acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=c_mask)
+
+
+def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                accumulate: int, flags: torch.Tensor | None, config: GemmConfig, info: LaunchInfo) -> None:
+    """Launch the ragged-K kernel writing (or adding into) ``c [E, K, N]``; arguments are checked.
+
+    a: ``[M, K]``; b: ``[M, N]``; offsets: int32 ``[E]``; accumulate: one of NO_ACCUMULATE,
+    ACCUMULATE_ALL, ACCUMULATE_FLAGGED (then ``flags`` is a bool ``[E]`` tensor).
+    """
+    if c.stride(1) == 1 and c.stride(2) != 1:
+        # c is a transposed view ([E, N, K] storage): compute c^T = b^T a so stores stay coalesced.
+        a, b, c = b, a, c.transpose(1, 2)
+    M, K = a.shape
+    N = b.shape[1]
+    E = c.shape[0]
+    use_tma = info.tma and info.tma_ok(a) and info.tma_ok(b)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a_arg = info.descriptor(a, [bm, bk]) if use_tma else a
+    b_arg = info.descriptor(b, [bm, bn]) if use_tma else b
+    total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    num_programs = max(1, min(info.num_programs, total_tiles))
+    _ragged_k_kernel[(num_programs,)](
+        a_arg, b_arg, c, offsets, flags if flags is not None else offsets,
+        M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        NUM_PROGRAMS=num_programs,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        ACCUMULATE=accumulate, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

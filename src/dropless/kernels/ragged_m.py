@@ -1,0 +1,109 @@
+"""Ragged-M grouped GEMM (forward and input gradient).
+
+    c[s_e:t_e, :] = a[s_e:t_e, :] @ b[e]          for every group e, with s_e = offsets[e-1], t_e = offsets[e]
+    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert)
+
+a: [M, K] row-major; b: [E, K, N] with either N contiguous ("KN", the ``[E, K, N]`` layout) or K
+contiguous ("NK", a transposed view of ``nn.Linear``-layout weights ``[E, N, K]``); c: [M, N].
+
+A persistent grid of programs walks the tiles of all groups. The tiles of group e are numbered after
+those of groups 0..e-1; each program derives that numbering from ``offsets`` on the device, so nothing
+waits for the host. Operands come through TMA descriptors where the strides allow it and through
+masked pointer loads otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.groups import group_bounds, grouped_raster, pick
+from dropless.kernels.launch import LaunchInfo
+
+
+@triton.jit
+def _ragged_m_kernel(
+    a, b, c, offsets_ptr,
+    M, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    B_NK: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
+    tiles_end = tl.cumsum(tiles, axis=0)
+    total_tiles = tl.sum(tiles, axis=0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS):
+        group = tl.sum((tiles_end <= tile_id).to(tl.int32), axis=0)
+        row_start = pick(starts, group, E_POW2)
+        row_end = pick(ends, group, E_POW2)
+        local_tile = tile_id - pick(tiles_end - tiles, group, E_POW2)
+        pid_m, pid_n = grouped_raster(local_tile, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n, GROUP_M)
+        row0 = row_start + pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The tail group (index E) has no weight: its tiles only write zeros.
+        k_steps = tl.where(group < E, k_tiles, 0)
+        for k_step in range(k_steps):
+            k0 = k_step * BLOCK_K
+            if USE_TMA:
+                a_tile = a.load([row0, k0])
+                if B_NK:
+                    b_tile = b.load([group, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                else:
+                    b_tile = b.load([group, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a_tile = tl.load(
+                    a + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(rows < row_end)[:, None] & (ks < K)[None, :], other=0.0)
+                b_tile = tl.load(
+                    b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+            if UPCAST:
+                a_tile = a_tile.to(tl.float32)
+                b_tile = b_tile.to(tl.float32)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
+
+        c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                config: GemmConfig, info: LaunchInfo) -> None:
+    """Launch the ragged-M kernel writing ``c [M, N]``; arguments are already checked by the caller.
+
+    a: ``[M, K]``; b: ``[E, K, N]`` with ``b.stride(2) == 1`` or ``b.stride(1) == 1`` (any other
+    layout takes the pointer path); offsets: int32 ``[E]`` on a's device; c: ``[M, N]``.
+    """
+    M, K = a.shape
+    E, _, N = b.shape
+    b_nk = b.stride(1) == 1 and b.stride(2) != 1
+    use_tma = info.tma and info.tma_ok(a) and info.tma_ok(b.transpose(1, 2) if b_nk else b)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if use_tma:
+        a_arg = info.descriptor(a, [bm, bk])
+        b_arg = info.descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else info.descriptor(b, [1, bk, bn])
+    else:
+        a_arg, b_arg = a, b
+    e_pow2 = triton.next_power_of_2(E + 1)
+    max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
+    num_programs = max(1, min(info.num_programs, max_tiles))
+    _ragged_m_kernel[(num_programs,)](
+        a_arg, b_arg, c, offsets,
+        M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        NUM_PROGRAMS=num_programs, E_POW2=e_pow2,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        B_NK=b_nk, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

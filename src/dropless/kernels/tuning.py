@@ -1,0 +1,75 @@
+"""Candidate tile configurations of the grouped GEMM kernels, and the config each call runs with."""
+
+from __future__ import annotations
+
+import torch
+
+from dropless.kernels.autotune import Autotuner, problem_class
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.launch import launch_info
+from dropless.kernels.ragged_k import ragged_k_mm
+from dropless.kernels.ragged_m import ragged_m_mm
+
+# Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K.
+_RAGGED_M = Autotuner(
+    "ragged_m",
+    candidates=[
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4),
+        GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+        GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
+        GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
+        GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        GemmConfig(256, 128, 64, num_warps=8, num_stages=3),
+    ],
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Output tile BLOCK_K x BLOCK_N of dw[e], reduction step BLOCK_M rows.
+_RAGGED_K = Autotuner(
+    "ragged_k",
+    candidates=[
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=3),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=4),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=4),
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+        GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+        GemmConfig(32, 256, 128, num_warps=8, num_stages=4),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+    ],
+    default=GemmConfig(64, 256, 128, num_warps=8, num_stages=3),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+
+def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                 tma: bool | None = None) -> None:
+    """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class."""
+    info = launch_info(a.device, tma)
+    key = problem_class(a.device, a.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
+                        M=a.shape[0])
+
+    def run(config: GemmConfig, out: torch.Tensor = c) -> None:
+        ragged_m_mm(a, b, offsets, out, config, info)
+
+    config = _RAGGED_M.choose(key, a.device, lambda cfg: run(cfg, torch.empty_like(c)))
+    run(config)
+
+
+def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                 accumulate: int, flags: torch.Tensor | None, tma: bool | None = None) -> None:
+    """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config."""
+    info = launch_info(a.device, tma)
+    key = problem_class(a.device, a.dtype, c.dtype, c.stride(1) == 1, info.tma, a.shape[1], b.shape[1],
+                        c.shape[0], M=a.shape[0])
+
+    def run(config: GemmConfig, out: torch.Tensor = c) -> None:
+        ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
+
+    config = _RAGGED_K.choose(key, a.device, lambda cfg: run(cfg, torch.empty_strided(
+        c.shape, c.stride(), dtype=c.dtype, device=c.device)))
+    run(config)
+
+

@@ -1,0 +1,116 @@
+"""GroupedLinear: E linear layers applied to consecutive row groups of one input, in one grouped GEMM."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dropless.ops import grouped_mm, grouped_mm_wgrad
+
+
+class _FusedWgradGroupedLinear(torch.autograd.Function):
+    """``y = grouped x @ weight[e]^T`` whose weight gradient is added into ``main_grad`` in place."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, main_grad, accumulate):
+        ctx.save_for_backward(x, weight, offsets, main_grad, accumulate)
+        return grouped_mm(x, weight.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offsets, main_grad, accumulate = ctx.saved_tensors
+        dx = grouped_mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
+        # main_grad[e] [out, in] = dy_e^T @ x_e: the ragged-K product with dy as the left operand.
+        grouped_mm_wgrad(dy, x, offsets, out=main_grad, accumulate=accumulate)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        return dx, None, None, None, None
+
+
+class GroupedLinear(nn.Module):
+    """``num_experts`` linear layers over consecutive row groups: ``y[rows of e] = x[rows of e] @ W[e]^T + b[e]``.
+
+    Args:
+        num_experts: E.
+        in_features, out_features: per-expert layer sizes.
+        bias: add a per-expert bias ``[E, out_features]``.
+        fuse_wgrad_accumulation: add the weight gradient into ``weight.main_grad`` (fp32
+            ``[E, out_features, in_features]``, created on first use if absent) inside the GEMM's
+            epilogue instead of producing ``weight.grad``, as Megatron-style trainers expect. If the
+            weight has a ``grad_added_to_main_grad`` attribute it is set to True in the backward.
+
+    ``weight`` is ``[E, out_features, in_features]`` (``nn.Linear`` layout per expert).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 fuse_wgrad_accumulation: bool = False) -> None:
+        super().__init__()
+        if num_experts < 1 or in_features < 1 or out_features < 1:
+            raise ValueError(f"num_experts, in_features and out_features must be positive, got "
+                             f"{num_experts}, {in_features}, {out_features}")
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert initialized as ``nn.Linear`` would be: U(-1/sqrt(in), 1/sqrt(in))."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
+                wgrad_accumulation_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply expert e to its rows.
+
+        Args:
+            x: ``[M, in_features]``, rows sorted by expert.
+            group_sizes: rows per expert, ``[E]``: a list of ints, a CPU tensor, or a tensor on x's
+                device (no host sync). Rows past their sum give zero output.
+            wgrad_accumulation_mask: with ``fuse_wgrad_accumulation``, an optional bool ``[E]``
+                tensor on x's device: experts marked True add their gradient into ``main_grad``,
+                the others overwrite it (the first micro-batch of a step). Default: all add.
+        Returns:
+            ``[M, out_features]`` in x's dtype.
+        """
+        offsets = self._offsets(group_sizes, x.device)
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad:
+            if getattr(self.weight, "main_grad", None) is None:
+                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+            accumulate = (wgrad_accumulation_mask if wgrad_accumulation_mask is not None
+                          else torch.ones(self.num_experts, dtype=torch.bool, device=x.device))
+            y = _FusedWgradGroupedLinear.apply(x, self.weight, offsets, self.weight.main_grad, accumulate)
+        else:
+            if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
+                raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
+            y = grouped_mm(x, self.weight.transpose(1, 2), offsets)
+        if self.bias is not None:
+            y = y + self._row_bias(offsets, x.shape[0])
+        return y
+
+    def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+        sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
+        if sizes.shape != (self.num_experts,):
+            raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}], got {tuple(sizes.shape)}")
+        return torch.cumsum(sizes.to(device, non_blocking=True), 0).to(torch.int32)
+
+    def _row_bias(self, offsets: torch.Tensor, M: int) -> torch.Tensor:
+        """``[M, out_features]``: each row's expert bias, zero past the last group (found on the device)."""
+        rows = torch.arange(M, device=offsets.device, dtype=torch.int32)
+        expert = torch.searchsorted(offsets, rows, right=True)
+        padded = torch.cat([self.bias, self.bias.new_zeros(1, self.out_features)])
+        return padded[expert]
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")

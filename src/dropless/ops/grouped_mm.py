@@ -1,0 +1,199 @@
+"""Grouped GEMM ops: ``grouped_mm`` (ragged M, differentiable) and ``grouped_mm_wgrad`` (ragged K).
+
+Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through
+them, and neither reads the group boundaries on the host when it runs on the Triton backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless import reference
+from dropless.backend import use_triton
+from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
+from dropless.kernels.tuning import run_ragged_k, run_ragged_m
+from dropless.ops.checks import (
+    REFERENCE_DTYPES,
+    TRITON_DTYPES,
+    check_matrix,
+    check_same_device,
+    resolve_offsets,
+    validate_offsets,
+)
+
+
+@torch.library.custom_op("dropless::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if not use_triton(x.device):
+        return reference.grouped_mm(x, w, offsets)
+    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+    if x.shape[1] == 0:
+        y.zero_()
+    elif y.numel() > 0:
+        run_ragged_m(x, w, offsets, y)
+    return y
+
+
+@_grouped_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("dropless::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                      transposed: bool) -> torch.Tensor:
+    """``dw [E, K, N]`` in x's dtype, or its transpose ``[E, N, K]`` (contiguous) if ``transposed``."""
+    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
+    if not use_triton(x.device):
+        dw = reference.grouped_mm_wgrad(x, dy, offsets).to(x.dtype)
+        return dw.transpose(1, 2).contiguous() if transposed else dw
+    dw = torch.empty((E, N, K) if transposed else (E, K, N), dtype=x.dtype, device=x.device)
+    _launch_wgrad(x, dy, offsets, dw.transpose(1, 2) if transposed else dw, NO_ACCUMULATE, None)
+    return dw
+
+
+@_grouped_mm_wgrad.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
+    return x.new_empty((E, N, K) if transposed else (E, K, N))
+
+
+@torch.library.custom_op("dropless::grouped_mm_wgrad_into", mutates_args=("out",))
+def _grouped_mm_wgrad_into(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                           flags: torch.Tensor | None, accumulate: bool) -> None:
+    if not use_triton(x.device):
+        dw = reference.grouped_mm_wgrad(x, dy, offsets)
+        reference.accumulate_into(out, dw, flags if flags is not None else accumulate)
+        return
+    mode = ACCUMULATE_FLAGGED if flags is not None else ACCUMULATE_ALL if accumulate else NO_ACCUMULATE
+    _launch_wgrad(x, dy, offsets, out, mode, flags)
+
+
+@_grouped_mm_wgrad_into.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+      flags: torch.Tensor | None, accumulate: bool) -> None:
+    return None
+
+
+def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                  mode: int, flags: torch.Tensor | None) -> None:
+    if out.numel() == 0:
+        return
+    if x.shape[0] == 0:
+        # No rows at all: every group is empty.
+        if mode == NO_ACCUMULATE:
+            out.zero_()
+        elif mode == ACCUMULATE_FLAGGED:
+            out.masked_fill_(~flags.view(-1, 1, 1), 0)
+        return
+    run_ragged_k(x, dy, offsets, out, mode, flags)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, w, offsets = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _grouped_mm(dy, w.transpose(1, 2), offsets)
+    if ctx.needs_input_grad[1]:
+        # Give dw the layout of w: nn.Linear-layout weights viewed as [E, K, N] get [E, N, K] storage.
+        transposed = w.stride(1) == 1 and w.stride(2) != 1
+        dw = _grouped_mm_wgrad(x, dy, offsets, transposed)
+        dw = dw.transpose(1, 2) if transposed else dw
+    return dx, dw, None
+
+
+_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    return TRITON_DTYPES if use_triton(device) else REFERENCE_DTYPES
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None, *,
+               group_sizes: torch.Tensor | None = None, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped GEMM over row groups: ``y[s_e:t_e] = x[s_e:t_e] @ w[e]``.
+
+    Args:
+        x: ``[M, K]`` rows sorted by group; bf16, fp16 or fp32 (fp64 on the reference backend).
+        w: ``[E, K, N]``, same dtype, any strides (``weight.transpose(1, 2)`` of nn.Linear-layout
+            ``[E, N, K]`` weights works without a copy).
+        offsets: int32/int64 ``[E]`` cumulative group ends on x's device (``offs`` is an alias, as
+            in ``torch._grouped_mm``); or give ``group_sizes [E]`` instead.
+    Returns:
+        ``y [M, N]`` in x's dtype. Rows past ``offsets[-1]`` are zero. Differentiable in x and w.
+
+    No host sync on the Triton backend: the kernel derives its tiles from ``offsets`` on the device,
+    so the call can be captured in a CUDA graph.
+    """
+    if offs is not None:
+        if offsets is not None:
+            raise ValueError("pass offsets or its alias offs, not both")
+        offsets = offs
+    dtypes = _dtypes(x.device)
+    check_matrix("x", x, 2, dtypes)
+    check_matrix("w", w, 3, dtypes)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(w.shape)}")
+    if w.shape[0] == 0:
+        raise ValueError("w must hold at least one expert (E >= 1)")
+    check_same_device(x.device, w=w)
+    offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
+    validate_offsets(offsets, x.shape[0])
+    return _grouped_mm(x, w, offsets)
+
+
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | None = None, *,
+                     group_sizes: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     accumulate: bool | torch.Tensor = False) -> torch.Tensor:
+    """Weight gradient of ``grouped_mm``: ``dw[e] = x[s_e:t_e]^T @ dy[s_e:t_e]``, zero for an empty group.
+
+    Args:
+        x: ``[M, K]`` and dy: ``[M, N]``, same dtype (bf16, fp16, fp32), rows sorted by group.
+        offsets: int ``[E]`` cumulative group ends (or ``group_sizes [E]``) on x's device.
+        out: optional ``[E, K, N]`` tensor to write, any strides (an fp32 ``main_grad``, or a
+            transposed view of an ``[E, N, K]`` one); x's dtype or fp32.
+        accumulate: with ``out``: ``True`` adds into it in the kernel's epilogue (no extra pass over
+            memory); a bool ``[E]`` tensor on the device adds for the experts marked True and
+            overwrites the others; ``False`` overwrites.
+    Returns:
+        ``out``, or a new ``[E, K, N]`` tensor in x's dtype. No host sync on the Triton backend.
+    """
+    dtypes = _dtypes(x.device)
+    check_matrix("x", x, 2, dtypes)
+    check_matrix("dy", dy, 2, dtypes)
+    if dy.dtype != x.dtype:
+        raise TypeError(f"dy must have x's dtype {x.dtype}, got {dy.dtype}")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy must have x's number of rows M={x.shape[0]}, got shape {tuple(dy.shape)}")
+    check_same_device(x.device, dy=dy)
+    source = offsets if offsets is not None else group_sizes
+    E = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() == 1 else -1
+    offsets = resolve_offsets(offsets, group_sizes, E, x.device)
+    validate_offsets(offsets, x.shape[0])
+    K, N = x.shape[1], dy.shape[1]
+    if out is None:
+        if accumulate is not False:
+            raise ValueError("accumulate needs out= (the tensor to accumulate into)")
+        return _grouped_mm_wgrad(x, dy, offsets, False)
+    check_matrix("out", out, 3, (x.dtype, torch.float32))
+    if tuple(out.shape) != (E, K, N):
+        raise ValueError(f"out must have shape [E, K, N] = [{E}, {K}, {N}], got {tuple(out.shape)}")
+    check_same_device(x.device, out=out)
+    flags = None
+    if isinstance(accumulate, torch.Tensor):
+        if accumulate.dtype != torch.bool or tuple(accumulate.shape) != (E,):
+            raise ValueError(f"accumulate as a tensor must be bool [E] = [{E}], got {accumulate.dtype} "
+                             f"{tuple(accumulate.shape)}")
+        check_same_device(x.device, accumulate=accumulate)
+        flags = accumulate
+    elif not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool or a bool tensor [E], got {type(accumulate).__name__}")
+    _grouped_mm_wgrad_into(x, dy, offsets, out, flags, bool(accumulate) if flags is None else True)
+    return out
