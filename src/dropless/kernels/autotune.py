@@ -28,26 +28,36 @@ class Autotuner:
     """Chooses among ``candidates`` for each problem class; ``default`` wherever it cannot time."""
 
     def __init__(self, name: str, candidates: Sequence[GemmConfig], default: GemmConfig,
-                 interpreter_config: GemmConfig) -> None:
+                 small_default: GemmConfig, interpreter_config: GemmConfig) -> None:
         self.name = name
         self.candidates = list(candidates)
         self.default = default
+        self.small_default = small_default  # fits the shared memory with 4-byte operands
         self.interpreter_config = interpreter_config
         self.cache: dict[tuple, GemmConfig] = {}
 
-    def choose(self, key: tuple, device: torch.device, run: Callable[[GemmConfig], None]) -> GemmConfig:
-        """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate."""
+    def choose(self, key: tuple, device: torch.device, element_size: int,
+               run: Callable[[GemmConfig], None]) -> GemmConfig:
+        """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate.
+
+        A candidate that does not compile for this problem (too much shared memory for fp32
+        operands, a schedule the compiler rejects for this layout) is skipped.
+        """
         if interpreting() and device.type != "cuda":
             return self.interpreter_config
         if key in self.cache:
             return self.cache[key]
+        default = self.default if element_size <= 2 else self.small_default
         if os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
-            return self.default
+            return default
         timings = {}
+        failure: Exception | None = None
         for config in self.candidates:
             try:
                 timings[config] = do_bench(lambda: run(config), warmup=5, rep=20)
-            except triton.runtime.errors.OutOfResources:
-                continue
-        self.cache[key] = min(timings, key=timings.get) if timings else self.default
+            except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
+                failure = error
+        if not timings:
+            raise RuntimeError(f"{self.name}: no tile configuration compiled for {key}") from failure
+        self.cache[key] = min(timings, key=timings.get)
         return self.cache[key]

@@ -19,7 +19,15 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    flatten: bool = False  # software-pipeline across tiles, so loads of the next overlap this epilogue
+    warp_specialize: bool = False  # producer warps issue loads while consumer warps compute
+    by_work: bool = False  # ragged-K: largest groups first, tiles drawn from a counter
+    tma_store: bool = False  # write output tiles through TMA where the layout allows
+    programs_per_sm: int = 1  # 2: one program's epilogue overlaps the other's main loop
 
     def __str__(self) -> str:
+        extra = "".join(tag for tag, on in (("/flat", self.flatten), ("/ws", self.warp_specialize),
+                                            ("/lpt", self.by_work), ("/tmast", self.tma_store),
+                                            (f"/x{self.programs_per_sm}", self.programs_per_sm > 1)) if on)
         return (f"{self.block_m}x{self.block_n}x{self.block_k}"
-                f"/g{self.group_m}/w{self.num_warps}/s{self.num_stages}")
+                f"/g{self.group_m}/w{self.num_warps}/s{self.num_stages}{extra}")

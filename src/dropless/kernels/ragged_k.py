@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.groups import grouped_raster
+from dropless.kernels.groups import group_bounds, grouped_raster, pick
 from dropless.kernels.launch import LaunchInfo
 
 NO_ACCUMULATE, ACCUMULATE_ALL, ACCUMULATE_FLAGGED = 0, 1, 2
@@ -46,53 +46,90 @@ def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, s
 
 
 @triton.jit
-def _ragged_k_kernel(
-    a, b, c, offsets_ptr, flags_ptr,
-    M, N, K, E,
-    stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
-    NUM_PROGRAMS: tl.constexpr,
+def _ragged_k_tile(
+    a, b, c, c_desc, offsets_ptr, flags_ptr, group, local_tile,
+    M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = tiles_k * tiles_n
-    for tile_id in tl.range(tl.program_id(0), E * tiles_per_group, NUM_PROGRAMS):
-        group = tile_id // tiles_per_group
-        pid_k, pid_n = grouped_raster(tile_id % tiles_per_group, tiles_k, tiles_n, GROUP_M)
-        end = tl.load(offsets_ptr + group).to(tl.int32)
-        start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
-        end = tl.minimum(tl.maximum(end, 0), M)
-        start = tl.minimum(tl.maximum(start, 0), end)
-        k0 = pid_k * BLOCK_K
-        n0 = pid_n * BLOCK_N
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ns = n0 + tl.arange(0, BLOCK_N)
+    """One output tile ``c[group, k-block, n-block]``, reduced over the group's rows."""
+    pid_k, pid_n = grouped_raster(local_tile, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_M)
+    end = tl.load(offsets_ptr + group).to(tl.int32)
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
+    end = tl.minimum(tl.maximum(end, 0), M)
+    start = tl.minimum(tl.maximum(start, 0), end)
+    k0 = pid_k * BLOCK_K
+    n0 = pid_n * BLOCK_N
 
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        full_steps = (end - start) // BLOCK_M
-        for step in range(full_steps):
-            a_tile, b_tile = _load_rows(a, b, start + step * BLOCK_M, end, k0, n0, N, K,
-                                        stride_am, stride_ak, stride_bm, stride_bn,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-            acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
-        row0 = start + full_steps * BLOCK_M
-        if row0 < end:
-            # The last, partial block: rows past the group's end belong to the next group.
-            a_tile, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K,
-                                        stride_am, stride_ak, stride_bm, stride_bn,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-            a_tile = tl.where((row0 + tl.arange(0, BLOCK_M) < end)[:, None], a_tile, 0.0)
-            acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    # Full row blocks without masks, then one masked block: the mask costs a register round trip
+    # of the operand, so it is paid once per tile rather than at every step.
+    full_steps = (end - start) // BLOCK_M
+    for step in range(full_steps):
+        a_tile, b_tile = _load_rows(a, b, start + step * BLOCK_M, end, k0, n0, N, K,
+                                    stride_am, stride_ak, stride_bm, stride_bn,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
+    row0 = start + full_steps * BLOCK_M
+    if row0 < end:
+        # The last, partial block: rows past the group's end belong to the next group.
+        a_tile, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K,
+                                    stride_am, stride_ak, stride_bm, stride_bn,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        a_tile = tl.where((row0 + tl.arange(0, BLOCK_M) < end)[:, None], a_tile, 0.0)
+        acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
 
-        c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn
-        c_mask = (ks < K)[:, None] & (ns < N)[None, :]
-        if ACCUMULATE == 1:
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn
+    c_mask = (ks < K)[:, None] & (ns < N)[None, :]
+    if ACCUMULATE == 1:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    elif ACCUMULATE == 2:
+        if tl.load(flags_ptr + group) != 0:
             acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-        elif ACCUMULATE == 2:
-            if tl.load(flags_ptr + group) != 0:
-                acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    if TMA_STORE:
+        c_desc.store([group, k0, n0], acc.to(c_desc.dtype).reshape(1, BLOCK_K, BLOCK_N))
+    else:
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _ragged_k_kernel(
+    a, b, c, c_desc, offsets_ptr, flags_ptr, counter_ptr,
+    M, N, K, E,
+    stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BY_WORK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
+    tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    total_tiles = E * tiles_per_group
+    if BY_WORK:
+        # Largest groups first, handed out one tile at a time from a counter: a program that drew a
+        # long tile draws no more until it is done, so long tiles do not pile up on a few programs.
+        e = tl.arange(0, E_POW2)
+        starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
+        key = tl.where(e < E, (ends - starts).to(tl.int64) * E_POW2 + e, -1)
+        order = (tl.sort(key, descending=True) % E_POW2).to(tl.int32)
+        tile_id = tl.atomic_add(counter_ptr, 1)
+        while tile_id < total_tiles:
+            group = pick(order, tile_id // tiles_per_group, E_POW2)
+            _ragged_k_tile(a, b, c, c_desc, offsets_ptr, flags_ptr, group, tile_id % tiles_per_group,
+                           M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, PRECISION,
+                           TMA_STORE)
+            tile_id = tl.atomic_add(counter_ptr, 1)
+    else:
+        for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
+                                flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            _ragged_k_tile(a, b, c, c_desc, offsets_ptr, flags_ptr, tile_id // tiles_per_group, tile_id % tiles_per_group,
+                           M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, PRECISION,
+                           TMA_STORE)
 
 
 def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
@@ -113,13 +150,18 @@ def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
     a_arg = info.descriptor(a, [bm, bk]) if use_tma else a
     b_arg = info.descriptor(b, [bm, bn]) if use_tma else b
     total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
-    num_programs = max(1, min(info.num_programs, total_tiles))
+    num_programs = max(1, min(info.num_programs * config.programs_per_sm, total_tiles))
+    tma_store = use_tma and config.tma_store and info.tma_ok(c)
+    c_desc = info.descriptor(c, [1, bk, bn]) if tma_store else None
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
     _ragged_k_kernel[(num_programs,)](
-        a_arg, b_arg, c, offsets, flags if flags is not None else offsets,
+        a_arg, b_arg, c, c_desc, offsets, flags if flags is not None else offsets, counter,
         M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
-        NUM_PROGRAMS=num_programs,
+        NUM_PROGRAMS=num_programs, E_POW2=triton.next_power_of_2(E + 1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         ACCUMULATE=accumulate, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
+        BY_WORK=config.by_work, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=config.flatten,
+        TMA_STORE=tma_store,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -25,12 +25,13 @@ from dropless.kernels.launch import LaunchInfo
 
 @triton.jit
 def _ragged_m_kernel(
-    a, b, c, offsets_ptr,
+    a, b, c, c_desc, offsets_ptr,
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     B_NK: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -39,7 +40,8 @@ def _ragged_m_kernel(
     total_tiles = tl.sum(tiles, axis=0)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS):
+    for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
+                            flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         group = tl.sum((tiles_end <= tile_id).to(tl.int32), axis=0)
         row_start = pick(starts, group, E_POW2)
         row_end = pick(ends, group, E_POW2)
@@ -51,9 +53,10 @@ def _ragged_m_kernel(
         cols = col0 + tl.arange(0, BLOCK_N)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The tail group (index E) has no weight: its tiles only write zeros.
-        k_steps = tl.where(group < E, k_tiles, 0)
-        for k_step in range(k_steps):
+        # Every tile runs the same number of steps, so the loop nest can be pipelined as one. The
+        # tail group (index E) has no weight: its B blocks read as zeros (out of the TMA box, or
+        # masked) and its tiles write zeros.
+        for k_step in range(k_tiles):
             k0 = k_step * BLOCK_K
             if USE_TMA:
                 a_tile = a.load([row0, k0])
@@ -68,14 +71,18 @@ def _ragged_m_kernel(
                     mask=(rows < row_end)[:, None] & (ks < K)[None, :], other=0.0)
                 b_tile = tl.load(
                     b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
+                    mask=(ks < K)[:, None] & (cols < N)[None, :] & (group < E), other=0.0)
             if UPCAST:
                 a_tile = a_tile.to(tl.float32)
                 b_tile = b_tile.to(tl.float32)
             acc = tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
 
-        c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        if TMA_STORE and row0 + BLOCK_M <= row_end:
+            c_desc.store([row0, col0], acc.to(c_desc.dtype))
+        else:
+            # A tile that ends past its group's last row: mask the rows of the next group.
+            c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
 def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
@@ -95,15 +102,18 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
         b_arg = info.descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else info.descriptor(b, [1, bk, bn])
     else:
         a_arg, b_arg = a, b
+    tma_store = use_tma and config.tma_store and info.tma_ok(c)
+    c_desc = info.descriptor(c, [bm, bn]) if tma_store else None
     e_pow2 = triton.next_power_of_2(E + 1)
     max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
-    num_programs = max(1, min(info.num_programs, max_tiles))
+    num_programs = max(1, min(info.num_programs * config.programs_per_sm, max_tiles))
     _ragged_m_kernel[(num_programs,)](
-        a_arg, b_arg, c, offsets,
+        a_arg, b_arg, c, c_desc, offsets,
         M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         NUM_PROGRAMS=num_programs, E_POW2=e_pow2,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_NK=b_nk, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
+        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -10,20 +10,22 @@ from dropless.kernels.launch import launch_info
 from dropless.kernels.ragged_k import ragged_k_mm
 from dropless.kernels.ragged_m import ragged_m_mm
 
-# Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K.
+# Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K. Measured winners on an H100 (benchmarks/NOTES.md):
+# flattened 128x256 tiles for short K, warp-specialized ones with TMA stores for long K, two 128x128
+# programs per SM for some transposed layouts; the small tiles are what fits fp32 operands.
 _RAGGED_M = Autotuner(
     "ragged_m",
     candidates=[
-        GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-        GemmConfig(128, 256, 64, num_warps=8, num_stages=4),
-        GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-        GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
-        GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
-        GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
-        GemmConfig(256, 128, 64, num_warps=8, num_stages=3),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
+        GemmConfig(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
+        GemmConfig(64, 256, 64, num_warps=4, num_stages=4, flatten=True),
+        GemmConfig(64, 128, 32, num_warps=4, num_stages=3),
     ],
-    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    small_default=GemmConfig(64, 128, 32, num_warps=4, num_stages=3),
     interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
 )
 
@@ -31,15 +33,16 @@ _RAGGED_M = Autotuner(
 _RAGGED_K = Autotuner(
     "ragged_k",
     candidates=[
-        GemmConfig(64, 256, 128, num_warps=8, num_stages=3),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=4, flatten=True),
         GemmConfig(64, 256, 128, num_warps=8, num_stages=4),
-        GemmConfig(64, 128, 128, num_warps=8, num_stages=4),
-        GemmConfig(64, 128, 128, num_warps=4, num_stages=4),
-        GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-        GemmConfig(32, 256, 128, num_warps=8, num_stages=4),
-        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=3, by_work=True, tma_store=True),
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=3, programs_per_sm=2),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=3, flatten=True, programs_per_sm=2),
+        GemmConfig(32, 128, 64, num_warps=4, num_stages=3),
     ],
-    default=GemmConfig(64, 256, 128, num_warps=8, num_stages=3),
+    default=GemmConfig(64, 256, 128, num_warps=8, num_stages=4, flatten=True),
+    small_default=GemmConfig(32, 128, 64, num_warps=4, num_stages=3),
     interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
 )
 
@@ -54,7 +57,7 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         ragged_m_mm(a, b, offsets, out, config, info)
 
-    config = _RAGGED_M.choose(key, a.device, lambda cfg: run(cfg, torch.empty_like(c)))
+    config = _RAGGED_M.choose(key, a.device, a.element_size(), lambda cfg: run(cfg, torch.empty_like(c)))
     run(config)
 
 
@@ -68,7 +71,7 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
 
-    config = _RAGGED_K.choose(key, a.device, lambda cfg: run(cfg, torch.empty_strided(
+    config = _RAGGED_K.choose(key, a.device, a.element_size(), lambda cfg: run(cfg, torch.empty_strided(
         c.shape, c.stride(), dtype=c.dtype, device=c.device)))
     run(config)
 
