@@ -1,0 +1,107 @@
+"""``python -m dropless.bench gemm | readme``: run the GEMM benchmark, or regenerate the README table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dropless.bench.environment import device_name, slug
+from dropless.bench.gemm import FULL_TIMING, QUICK_TIMING, GemmOptions, run_gemm
+from dropless.bench.peers import METHODS
+from dropless.bench.plot import plot
+from dropless.bench.problem import PASSES
+from dropless.bench.readme import END, START, render, update_readme
+from dropless.bench.report import format_summary, format_table, read_json, write_json
+from dropless.bench.routing import ROUTINGS
+
+RESULTS = Path("benchmarks/results")
+
+
+def _names(values: Sequence[str] | None) -> list[str] | None:
+    """``--x a b`` and ``--x a,b`` alike."""
+    if values is None:
+        return None
+    return [v for value in values for v in value.split(",") if v]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dropless.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gemm = sub.add_parser("gemm", help="time the grouped GEMM against its peers on the same inputs")
+    gemm.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
+    gemm.add_argument("--name", help="result file stem (default: gemm-<device>, gemm-quick-<device> with --quick)")
+    gemm.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
+    gemm.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    gemm.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
+    gemm.add_argument("--methods", nargs="+", help=f"of {list(METHODS)} (default: all)")
+    gemm.add_argument("--quick", action="store_true",
+                      help="tiny shapes and short timing: a smoke run of seconds, on the CPU too")
+    gemm.add_argument("--warmup", type=float,
+                      help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
+    gemm.add_argument("--rep", type=float,
+                      help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
+    gemm.add_argument("--seed", type=int, default=0, help="seed of the skewed routing and the operands")
+    gemm.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
+
+    readme = sub.add_parser("readme", help=f"regenerate README.md's table between {START} and {END}")
+    readme.add_argument("results", nargs="*", type=Path,
+                        help=f"result JSON files (default: {RESULTS}/gemm-*.json, quick runs left out)")
+    readme.add_argument("--readme", type=Path, default=Path("README.md"),
+                        help="README to update (default: %(default)s)")
+    return parser
+
+
+def _gemm(args: argparse.Namespace) -> int:
+    warmup, rep = QUICK_TIMING if args.quick else FULL_TIMING
+    opts = GemmOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(METHODS),
+                       quick=args.quick, seed=args.seed, commit=args.commit,
+                       warmup=warmup if args.warmup is None else args.warmup,
+                       rep=rep if args.rep is None else args.rep)
+    name = args.name or f"gemm-{'quick-' if args.quick else ''}{slug(device_name(opts.device))}"
+    try:
+        result = run_gemm(opts)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
+    write_json(result, json_path)
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}" if plot(result, png_path) else "no plot: matplotlib is not installed")
+    print(format_summary(result["rows"]))
+    print(format_table(result))
+    return 0
+
+
+def _readme(args: argparse.Namespace) -> int:
+    paths = args.results or sorted(RESULTS.glob("gemm-*.json"))
+    try:
+        results = [(p.name, read_json(p)) for p in paths]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.results:
+        results = [(n, r) for n, r in results if not r["meta"].get("quick")]
+    if not results:
+        print(f"error: no result files given and none in {RESULTS}", file=sys.stderr)
+        return 2
+    block = render(results)
+    if update_readme(args.readme, block):
+        print(f"updated the performance table in {args.readme} from {', '.join(n for n, _ in results)}")
+    else:
+        print(block)
+        print(f"\n{args.readme} has no {START} ... {END} markers (or does not exist): "
+              "the table is printed above and no file was changed", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _gemm(args) if args.command == "gemm" else _readme(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

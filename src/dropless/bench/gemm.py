@@ -1,0 +1,152 @@
+"""The grouped GEMM benchmark: every method, pass and routing of each shape, on shared inputs.
+
+For each (shape, routing) the operands are drawn once and shared by all methods. Each (method, pass)
+runs once, is checked against the fp32 reference, and only if it passes is it timed. A method that
+raises (including running out of memory) gets a row with its error, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dropless.bench.check import TOLERANCE, References, max_rel_err
+from dropless.bench.environment import describe
+from dropless.bench.peers import METHODS, Method
+from dropless.bench.problem import PASSES, Problem, make_problem, useful_flops
+from dropless.bench.routing import ROUTINGS, group_sizes
+from dropless.bench.shapes import Shape, select_shapes
+from dropless.bench.timing import median_ms
+
+FULL_TIMING = (25.0, 100.0)  # do_bench warm-up and repetition, ms: the full set runs in minutes
+QUICK_TIMING = (2.0, 10.0)
+
+
+@dataclass
+class GemmOptions:
+    """What to run. ``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning)."""
+
+    shapes: Sequence[str] | None = None
+    routings: Sequence[str] = ROUTINGS
+    passes: Sequence[str] = PASSES
+    methods: Sequence[str] = tuple(METHODS)
+    quick: bool = False
+    warmup: float = FULL_TIMING[0]
+    rep: float = FULL_TIMING[1]
+    seed: int = 0
+    commit: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """bf16 on a GPU; fp32 on the CPU, whose bf16 matmul is too slow even for smoke runs."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+
+def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:
+    """Run the benchmark; return ``{"meta": {...}, "rows": [...]}`` (one row per shape, routing,
+    method and pass, in that nesting order)."""
+    shapes = select_shapes(opts.shapes, opts.quick)
+    for name, given, known in (("routing", opts.routings, ROUTINGS), ("pass", opts.passes, PASSES),
+                               ("method", opts.methods, tuple(METHODS))):
+        unknown = [g for g in given if g not in known]
+        if unknown:
+            raise ValueError(f"unknown {name}(s) {unknown}; choose from {list(known)}")
+    meta = describe(opts.device, opts.dtype, opts.commit)
+    meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, seed=opts.seed, quick=opts.quick,
+                max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference, largest over the "
+                            "pass's results (y, dx, dw)",
+                tolerance=TOLERANCE[opts.dtype], group_sizes={})
+    rows = []
+    started = time.perf_counter()
+    for shape in shapes:
+        for routing in opts.routings:
+            sizes = group_sizes(shape.E, shape.M, routing, opts.seed)
+            meta["group_sizes"].setdefault(shape.name, {})[routing] = sizes
+            tic = time.perf_counter()
+            rows += _run_case(shape, routing, sizes, opts)
+            log(f"{shape.name} {routing}: max_group {max(sizes)}, {time.perf_counter() - tic:.1f} s")
+    _fill_ratios(rows)
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    return {"meta": meta, "rows": rows}
+
+
+def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -> list[dict]:
+    """All rows of one (shape, routing): fresh operands, then each method in turn, freed after."""
+    base = {"shape": shape.name, "E": shape.E, "M": shape.M, "K": shape.K, "N": shape.N,
+            "routing": routing, "max_group": max(sizes)}
+    problem = make_problem(shape, sizes, opts.dtype, opts.device, opts.seed)
+    refs = References(problem)
+    rows = []
+    for name in opts.methods:
+        method, error = _build(name, problem)
+        for pass_ in opts.passes:
+            row = {**base, "method": name, "pass": pass_, "ms": None, "tflops": None, "ratio_to_dense": None,
+                   "max_rel_err": None, "failed": error is not None, "error": error}
+            if method is not None:
+                _measure(method, pass_, refs, opts, useful_flops(shape, pass_), row)
+                _release(opts.device)
+            rows.append(row)
+        del method
+        _release(opts.device)
+    del problem, refs
+    _release(opts.device)
+    return rows
+
+
+def _build(name: str, problem: Problem) -> tuple[Method | None, str | None]:
+    try:
+        return METHODS[name](problem), None
+    except Exception as exc:  # an unsupported peer or out of memory: recorded, the run goes on
+        return None, _describe_error(exc)
+
+
+def _measure(method: Method, pass_: str, refs: References, opts: GemmOptions, flops: int, row: dict) -> None:
+    """Check ``method``'s ``pass_`` against the reference, then time it; fill ``row`` in place.
+
+    ``failed`` is set for a result off the reference by more than the tolerance (NaN included) and
+    for a method that raised (then ``error`` says what); a failed row has no timing.
+    """
+    try:
+        case = method.case(pass_)
+        outputs = case.unpack(case.run())
+        err = max_rel_err(outputs, refs.get(method.oracle, pass_))
+        del outputs
+        row["max_rel_err"] = err if math.isfinite(err) else None
+        if not err <= TOLERANCE[opts.dtype]:
+            row["failed"] = True
+            row["error"] = None if math.isfinite(err) else "non-finite result"
+            return
+        ms = median_ms(case.run, opts.device, opts.warmup, opts.rep)
+    except Exception as exc:  # recorded as the row's error; the benchmark goes on with the next case
+        row["failed"] = True
+        row["error"] = _describe_error(exc)
+        return
+    row["ms"] = ms
+    row["tflops"] = flops / ms / 1e9
+
+
+def _fill_ratios(rows: list[dict]) -> None:
+    """``ratio_to_dense``: a row's TFLOP/s over the dense row's of the same shape, routing and pass."""
+    dense = {(r["shape"], r["routing"], r["pass"]): r["tflops"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        ceiling = dense.get((r["shape"], r["routing"], r["pass"]))
+        if r["tflops"] is not None and ceiling:
+            r["ratio_to_dense"] = r["tflops"] / ceiling
+
+
+def _describe_error(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:300]}"
+
+
+def _release(device: torch.device) -> None:
+    """Hand cached blocks back so the next case (and padded_bmm's large buffers) can allocate."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,66 @@
+"""The README's performance table, generated from result files (never typed by hand)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dropless.bench.report import LABELS, headline, index_rows, ratio, ratio_cell, tflops_cell, unique
+
+START = "<!-- perf-table:start -->"
+END = "<!-- perf-table:end -->"
+TABLE_PASSES = ("fwd", "fwd+bwd")
+TABLE_METHODS = ("dense", "dropless", "torch_grouped_mm", "loop")
+
+
+def render_table(result: dict, source: str) -> str:
+    """Markdown: a line naming the run, then one table row per shape and routing, with the TFLOP/s of
+    dense, dropless, ``torch._grouped_mm`` and the loop for fwd and fwd+bwd, and dropless's ratios
+    to dense and to ``torch._grouped_mm`` (all of one run, so the ratios compare like with like)."""
+    rows = result["rows"]
+    at = index_rows(rows)
+    head = ["shape (E, M, K, N)", "routing"]
+    for pass_ in TABLE_PASSES:
+        head += [f"{pass_} {LABELS[m]}" for m in TABLE_METHODS]
+        head += [f"{pass_} dropless/dense", f"{pass_} dropless/_grouped_mm"]
+    lines = [f"Measured on {headline(result['meta'])} (`{source}`). TFLOP/s of useful FLOPs "
+             "(2MKN per GEMM, 6MKN for fwd+bwd); ratios are to the dense GEMM and to torch._grouped_mm "
+             "timed in the same run.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in unique(rows, "shape"):
+        first = next(r for r in rows if r["shape"] == shape)
+        label = f"{shape} ({first['E']}, {first['M']}, {first['K']}, {first['N']})"
+        for routing in unique(rows, "routing"):
+            cells = [label, routing]
+            for pass_ in TABLE_PASSES:
+                get = {m: at.get((shape, routing, pass_, m)) for m in TABLE_METHODS}
+                cells += [tflops_cell(get[m]) for m in TABLE_METHODS]
+                cells += [ratio_cell(ratio(get["dropless"], get["dense"])),
+                          ratio_cell(ratio(get["dropless"], get["torch_grouped_mm"]))]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render(results: Sequence[tuple[str, dict]]) -> str:
+    """The generated block for several ``(source name, result)`` pairs, one table each."""
+    return "\n\n".join(render_table(result, source) for source, result in results)
+
+
+def replace_between_markers(text: str, block: str) -> str | None:
+    """``text`` with everything between ``START`` and ``END`` replaced by ``block``; None if the
+    markers are missing or out of order."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        return None
+    return f"{text[:start + len(START)]}\n{block}\n{text[end:]}"
+
+
+def update_readme(path: Path, block: str) -> bool:
+    """Write ``block`` between the markers of the README at ``path``; False if it has none."""
+    if not path.is_file():
+        return False
+    text = replace_between_markers(path.read_text(), block)
+    if text is None:
+        return False
+    path.write_text(text)
+    return True

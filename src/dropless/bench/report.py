@@ -1,0 +1,130 @@
+"""Turning result rows into what people read: the stdout table, the summary, the JSON file."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+LABELS = {"dense": "dense", "dropless": "dropless", "torch_grouped_mm": "_grouped_mm", "loop": "loop",
+          "padded_bmm": "padded_bmm"}
+
+Key = tuple[str, str, str, str]  # shape, routing, pass, method
+
+
+def index_rows(rows: Sequence[dict]) -> dict[Key, dict]:
+    """Rows by (shape, routing, pass, method)."""
+    return {(r["shape"], r["routing"], r["pass"], r["method"]): r for r in rows}
+
+
+def unique(rows: Sequence[dict], key: str) -> list[str]:
+    """The values of ``key`` in the rows, in order of first appearance."""
+    return list(dict.fromkeys(r[key] for r in rows))
+
+
+def tflops_cell(row: dict | None) -> str:
+    """A row's TFLOP/s as shown: a number, ``FAIL`` (wrong result), ``ERR`` (raised) or ``-`` (not run)."""
+    if row is None:
+        return "-"
+    if row["tflops"] is None:
+        return "ERR" if row["error"] else "FAIL"
+    # Whole TFLOP/s on a GPU; three significant digits for the tiny figures of CPU smoke runs.
+    return f"{row['tflops']:.0f}" if row["tflops"] >= 10 else f"{row['tflops']:.3g}"
+
+
+def ratio(num: dict | None, den: dict | None) -> float | None:
+    """TFLOP/s of ``num`` over that of ``den``, None unless both were timed."""
+    if num is None or den is None or num["tflops"] is None or not den["tflops"]:
+        return None
+    return num["tflops"] / den["tflops"]
+
+
+def ratio_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def headline(meta: dict) -> str:
+    """One line naming the device, software, commit and date of a run."""
+    return (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, "
+            f"commit {meta['commit']}, {meta['date']}")
+
+
+def format_table(result: dict) -> str:
+    """One line per shape x routing x pass: TFLOP/s per method, then dropless over dense and over
+    ``torch._grouped_mm``."""
+    rows = result["rows"]
+    at = index_rows(rows)
+    methods = unique(rows, "method")
+    cols = [LABELS.get(m, m) for m in methods] + ["dl/dense", "dl/_gmm"]
+    head = f"{'shape':<22}{'routing':<9}{'pass':<8}{'max_grp':>8}" + "".join(f"{c:>12}" for c in cols)
+    lines = [f"grouped GEMM, TFLOP/s of useful FLOPs: {headline(result['meta'])}",
+             "FAIL = result off the reference, ERR = raised; dl = dropless, _gmm = torch._grouped_mm", head]
+    for shape in unique(rows, "shape"):
+        for routing in unique(rows, "routing"):
+            for pass_ in unique(rows, "pass"):
+                cells = {m: at.get((shape, routing, pass_, m)) for m in methods}
+                some = next((r for r in cells.values() if r is not None), None)
+                if some is None:
+                    continue
+                line = f"{shape:<22}{routing:<9}{pass_:<8}{some['max_group']:>8}"
+                line += "".join(f"{tflops_cell(cells[m]):>12}" for m in methods)
+                line += f"{ratio_cell(ratio(cells.get('dropless'), cells.get('dense'))):>12}"
+                line += f"{ratio_cell(ratio(cells.get('dropless'), cells.get('torch_grouped_mm'))):>12}"
+                lines.append(line)
+    return "\n".join(lines)
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per pass, over the (shape, routing) pairs where both methods were timed: the geometric means
+    of dropless / torch._grouped_mm and dropless / dense, and the smallest dropless / dense of the
+    balanced ones (with its shape)."""
+    at = index_rows(rows)
+    out = {}
+    for pass_ in unique(rows, "pass"):
+        vs_gmm, vs_dense, balanced = [], [], []
+        for shape in unique(rows, "shape"):
+            for routing in unique(rows, "routing"):
+                dl = at.get((shape, routing, pass_, "dropless"))
+                r_gmm = ratio(dl, at.get((shape, routing, pass_, "torch_grouped_mm")))
+                r_dense = ratio(dl, at.get((shape, routing, pass_, "dense")))
+                if r_gmm is not None:
+                    vs_gmm.append(r_gmm)
+                if r_dense is not None:
+                    vs_dense.append(r_dense)
+                    if routing == "balanced":
+                        balanced.append((r_dense, shape))
+        worst = min(balanced) if balanced else (None, None)
+        out[pass_] = {"geomean_vs_torch_grouped_mm": _geomean(vs_gmm), "geomean_vs_dense": _geomean(vs_dense),
+                      "min_balanced_vs_dense": worst[0], "min_balanced_shape": worst[1]}
+    return out
+
+
+def _geomean(values: Sequence[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def format_summary(rows: Sequence[dict]) -> str:
+    lines = ["summary: dropless over peers, geometric mean over shape x routing"]
+    for pass_, s in summarize(rows).items():
+        worst = ratio_cell(s["min_balanced_vs_dense"])
+        where = f" ({s['min_balanced_shape']})" if s["min_balanced_shape"] else ""
+        lines.append(f"  {pass_:<8} vs _grouped_mm {ratio_cell(s['geomean_vs_torch_grouped_mm'])}   "
+                     f"vs dense {ratio_cell(s['geomean_vs_dense'])}   "
+                     f"min balanced vs dense {worst}{where}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: Path) -> None:
+    """``{"meta": {...}, "rows": [...]}`` with one row per line, so committed results diff by row."""
+    meta = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["meta"].items())
+    rows = ",\n".join(f"  {json.dumps(r)}" for r in result["rows"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{{\n "meta": {{\n{meta}\n }},\n "rows": [\n{rows}\n ]\n}}\n')
+
+
+def read_json(path: Path) -> dict:
+    result = json.loads(Path(path).read_text())
+    if not isinstance(result, dict) or "meta" not in result or "rows" not in result:
+        raise ValueError(f"{path} is not a benchmark result (no meta and rows)")
+    return result

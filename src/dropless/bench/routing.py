@@ -1,0 +1,41 @@
+"""Group sizes for a routing pattern, made on the host at setup time (seeded, so runs compare)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ROUTINGS = ("balanced", "skewed")
+ZIPF_EXPONENT = 1.2
+
+
+def group_sizes(E: int, M: int, routing: str, seed: int = 0) -> list[int]:
+    """Rows per expert, ``E`` ints summing to ``M``.
+
+    ``balanced``: equal groups, the remainder spread one row each over the first experts.
+    ``skewed``: ``ceil(E / 8)`` experts empty (at least one, never all), the others ranked by a Zipf(1.2)
+    popularity, ``rows ~ M * rank^-1.2``; the seed decides which experts are empty and which rank
+    each of the others takes.
+    """
+    if routing == "balanced":
+        base, extra = divmod(M, E)
+        return [base + (e < extra) for e in range(E)]
+    if routing != "skewed":
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if E < 2:
+        raise ValueError("skewed routing needs at least two experts (one of them empty)")
+    active = E - min(math.ceil(E / 8), E - 1)
+    popularity = np.arange(1, active + 1, dtype=np.float64) ** -ZIPF_EXPONENT
+    rows = _round_to_total(M * popularity / popularity.sum(), M)
+    sizes = np.zeros(E, dtype=np.int64)
+    sizes[np.random.default_rng(seed).permutation(E)[:active]] = rows
+    return [int(s) for s in sizes]
+
+
+def _round_to_total(quotas: np.ndarray, total: int) -> np.ndarray:
+    """Largest-remainder rounding: integers within one of ``quotas`` that sum to ``total`` exactly."""
+    rows = np.floor(quotas).astype(np.int64)
+    short = total - int(rows.sum())
+    rows[np.argsort(rows - quotas, kind="stable")[:short]] += 1
+    return rows

@@ -1,0 +1,38 @@
+"""Median time of a callable: CUDA events through ``triton.testing.do_bench`` on a GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: float, rep: float) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` ms of warm-up, over about ``rep`` ms of runs.
+
+    On CUDA: ``do_bench`` (events around each run, L2 flushed before each). Elsewhere: a host clock
+    over ``warmup`` ms of warm-up and ``rep`` ms of timed runs, for smoke runs only.
+    """
+    if device.type == "cuda":
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return _host_median_ms(fn, warmup, rep)
+
+
+def _host_median_ms(fn: Callable[[], Any], warmup: float, rep: float) -> float:
+    # Bounded by wall time rather than by a count from an estimate: host clocks on a shared CPU
+    # jump, and a count taken from one fast estimate can run for minutes.
+    deadline = time.perf_counter() + warmup / 1e3
+    fn()
+    while time.perf_counter() < deadline:
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + rep / 1e3
+    while not times or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

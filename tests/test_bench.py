@@ -1,0 +1,68 @@
+"""The GEMM benchmark's quick run: files written, one row per case, ratios to dense consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dropless.bench.__main__ import main
+from dropless.bench.peers import METHODS
+from dropless.bench.problem import PASSES
+from dropless.bench.readme import END, START
+from dropless.bench.routing import ROUTINGS, group_sizes
+from dropless.bench.shapes import QUICK_SHAPES
+
+ROW_KEYS = {"shape", "E", "M", "K", "N", "routing", "max_group", "method", "pass", "ms", "tflops",
+            "ratio_to_dense", "max_rel_err", "failed", "error"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["gemm", "--quick", "--out", str(out), "--name", "quick"]) == 0
+    return out
+
+
+def test_quick_gemm_writes_json_and_plot(quick_run):
+    result = json.loads((quick_run / "quick.json").read_text())
+    assert set(result) == {"meta", "rows"}
+    assert {"gpu", "torch", "triton", "commit", "date"} <= set(result["meta"])
+    rows = result["rows"]
+    assert len(rows) == len(QUICK_SHAPES) * len(ROUTINGS) * len(PASSES) * len(METHODS)
+    assert all(set(r) == ROW_KEYS for r in rows)
+    assert {(r["shape"], r["routing"], r["method"], r["pass"]) for r in rows} == {
+        (s.name, routing, m, p) for s in QUICK_SHAPES for routing in ROUTINGS for m in METHODS for p in PASSES}
+    for r in rows:
+        # A peer may be unsupported on some device; dropless and the torch.mm-based methods never.
+        assert not r["failed"] or r["method"] in ("torch_grouped_mm", "padded_bmm"), r
+        if r["failed"]:
+            assert r["tflops"] is None and (r["error"] or r["max_rel_err"] is not None)
+            continue
+        assert r["tflops"] > 0 and r["ms"] > 0 and r["max_rel_err"] >= 0
+        if r["method"] == "dense":
+            assert r["ratio_to_dense"] == 1
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (quick_run / "quick.png").stat().st_size > 0
+
+
+def test_readme_table_between_markers(quick_run, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# dropless\n\n{START}\nstale\n{END}\n\nafter\n")
+    assert main(["readme", str(quick_run / "quick.json"), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "stale" not in text and text.endswith(f"{END}\n\nafter\n")
+    assert all(s.name in text for s in QUICK_SHAPES)
+
+
+@pytest.mark.parametrize("E, M", [(4, 16384), (32, 32768), (128, 65536), (16, 500)])
+def test_skewed_routing_sums_to_M_with_empty_experts(E, M):
+    sizes = group_sizes(E, M, "skewed")
+    assert len(sizes) == E and sum(sizes) == M
+    assert sizes.count(0) == -(-E // 8)
+    assert group_sizes(E, M, "skewed") == sizes  # seeded
+    balanced = group_sizes(E, M, "balanced")
+    assert sum(balanced) == M and max(balanced) - min(balanced) <= 1
