@@ -14,16 +14,21 @@ def group_bounds(offsets_ptr, E, M, E_POW2: tl.constexpr):
     """Row range ``[starts[e], ends[e])`` of each group as ``[E_POW2]`` int32 vectors.
 
     Entry ``E`` is the tail: rows ``[offsets[E-1], M)`` that belong to no expert. Entries past it
-    are empty. Every bound is clamped to ``[0, M]``, so malformed offsets cannot address memory
-    outside the operands.
+    are empty. Bounds are clamped to ``[0, M]`` and made non-decreasing (a running maximum), so
+    malformed offsets can neither address memory outside the operands nor make groups overlap.
     """
     e = tl.arange(0, E_POW2)
     ends = tl.load(offsets_ptr + e, mask=e < E, other=M).to(tl.int32)
+    ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), M), 0, _maximum)
     starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e <= E), other=0).to(tl.int32)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(starts, 0), M), 0, _maximum)
     starts = tl.where(e > E, M, starts)
-    ends = tl.minimum(tl.maximum(ends, 0), M)
-    starts = tl.minimum(tl.maximum(starts, 0), M)
     return starts, tl.maximum(ends, starts)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit

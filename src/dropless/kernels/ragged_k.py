@@ -47,7 +47,7 @@ def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, s
 
 @triton.jit
 def _ragged_k_tile(
-    a, b, c, c_desc, offsets_ptr, flags_ptr, group, local_tile,
+    a, b, c, c_desc, flags_ptr, group, start, end, local_tile,
     M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -55,10 +55,6 @@ def _ragged_k_tile(
 ):
     """One output tile ``c[group, k-block, n-block]``, reduced over the group's rows."""
     pid_k, pid_n = grouped_raster(local_tile, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_M)
-    end = tl.load(offsets_ptr + group).to(tl.int32)
-    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
-    end = tl.minimum(tl.maximum(end, 0), M)
-    start = tl.minimum(tl.maximum(start, 0), end)
     k0 = pid_k * BLOCK_K
     n0 = pid_n * BLOCK_N
 
@@ -77,7 +73,10 @@ def _ragged_k_tile(
         a_tile, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K,
                                     stride_am, stride_ak, stride_bm, stride_bn,
                                     BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-        a_tile = tl.where((row0 + tl.arange(0, BLOCK_M) < end)[:, None], a_tile, 0.0)
+        # Zero both operands there: rows past the end may hold anything, NaN included.
+        in_group = (row0 + tl.arange(0, BLOCK_M) < end)[:, None]
+        a_tile = tl.where(in_group, a_tile, 0.0)
+        b_tile = tl.where(in_group, b_tile, 0.0)
         acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
 
     ks = k0 + tl.arange(0, BLOCK_K)
@@ -108,17 +107,18 @@ def _ragged_k_kernel(
 ):
     tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_per_group
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
     if BY_WORK:
         # Largest groups first, handed out one tile at a time from a counter: a program that drew a
         # long tile draws no more until it is done, so long tiles do not pile up on a few programs.
         e = tl.arange(0, E_POW2)
-        starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
         key = tl.where(e < E, (ends - starts).to(tl.int64) * E_POW2 + e, -1)
         order = (tl.sort(key, descending=True) % E_POW2).to(tl.int32)
         tile_id = tl.atomic_add(counter_ptr, 1)
         while tile_id < total_tiles:
             group = pick(order, tile_id // tiles_per_group, E_POW2)
-            _ragged_k_tile(a, b, c, c_desc, offsets_ptr, flags_ptr, group, tile_id % tiles_per_group,
+            _ragged_k_tile(a, b, c, c_desc, flags_ptr, group, pick(starts, group, E_POW2),
+                           pick(ends, group, E_POW2), tile_id % tiles_per_group,
                            M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, PRECISION,
                            TMA_STORE)
@@ -126,7 +126,9 @@ def _ragged_k_kernel(
     else:
         for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
                                 flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-            _ragged_k_tile(a, b, c, c_desc, offsets_ptr, flags_ptr, tile_id // tiles_per_group, tile_id % tiles_per_group,
+            group = tile_id // tiles_per_group
+            _ragged_k_tile(a, b, c, c_desc, flags_ptr, group, pick(starts, group, E_POW2),
+                           pick(ends, group, E_POW2), tile_id % tiles_per_group,
                            M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, PRECISION,
                            TMA_STORE)

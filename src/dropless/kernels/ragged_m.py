@@ -54,12 +54,13 @@ def _ragged_m_kernel(
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # Every tile runs the same number of steps, so the loop nest can be pipelined as one. The
-        # tail group (index E) has no weight: its B blocks read as zeros (out of the TMA box, or
-        # masked) and its tiles write zeros.
+        # tail group (index E) has no weight and must write zeros whatever its rows of a hold: its A
+        # and B blocks are read from past the end of the operands (zero-filled by TMA) or masked.
+        a_row0 = tl.where(group < E, row0, M)
         for k_step in range(k_tiles):
             k0 = k_step * BLOCK_K
             if USE_TMA:
-                a_tile = a.load([row0, k0])
+                a_tile = a.load([a_row0, k0])
                 if B_NK:
                     b_tile = b.load([group, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
                 else:
@@ -68,7 +69,7 @@ def _ragged_m_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a_tile = tl.load(
                     a + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=(rows < row_end)[:, None] & (ks < K)[None, :], other=0.0)
+                    mask=(rows < row_end)[:, None] & (ks < K)[None, :] & (group < E), other=0.0)
                 b_tile = tl.load(
                     b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=(ks < K)[:, None] & (cols < N)[None, :] & (group < E), other=0.0)

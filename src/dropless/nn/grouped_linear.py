@@ -16,18 +16,42 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, offsets, main_grad, accumulate):
-        ctx.save_for_backward(x, weight, offsets, main_grad, accumulate)
+        ctx.save_for_backward(x, weight, offsets, accumulate)
+        # Not saved for backward: it is written in place by every backward that shares it, which
+        # would trip the saved-tensor version check of the others.
+        ctx.main_grad = main_grad
         return grouped_mm(x, weight.transpose(1, 2), offsets)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, offsets, main_grad, accumulate = ctx.saved_tensors
+        x, weight, offsets, accumulate = ctx.saved_tensors
+        main_grad = ctx.main_grad
         dx = grouped_mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
         # main_grad[e] [out, in] = dy_e^T @ x_e: the ragged-K product with dy as the left operand.
         grouped_mm_wgrad(dy, x, offsets, out=main_grad, accumulate=accumulate)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         return dx, None, None, None, None
+
+
+class _GroupBias(torch.autograd.Function):
+    """``y + bias[expert of row]`` (zero past the last group); the bias gradient is summed in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, bias, offsets):
+        expert = torch.searchsorted(offsets, torch.arange(y.shape[0], device=y.device, dtype=offsets.dtype),
+                                    right=True)
+        ctx.save_for_backward(expert)
+        ctx.num_experts = bias.shape[0]
+        padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        return y + padded[expert]
+
+    @staticmethod
+    def backward(ctx, dy):
+        (expert,) = ctx.saved_tensors
+        sums = dy.new_zeros(ctx.num_experts + 1, dy.shape[1], dtype=torch.float32)
+        sums.index_add_(0, expert, dy.float())
+        return dy, sums[:-1].to(dy.dtype), None
 
 
 class GroupedLinear(nn.Module):
@@ -94,7 +118,7 @@ class GroupedLinear(nn.Module):
                 raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
             y = grouped_mm(x, self.weight.transpose(1, 2), offsets)
         if self.bias is not None:
-            y = y + self._row_bias(offsets, x.shape[0])
+            y = _GroupBias.apply(y, self.bias, offsets)
         return y
 
     def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,13 +126,6 @@ class GroupedLinear(nn.Module):
         if sizes.shape != (self.num_experts,):
             raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}], got {tuple(sizes.shape)}")
         return torch.cumsum(sizes.to(device, non_blocking=True), 0).to(torch.int32)
-
-    def _row_bias(self, offsets: torch.Tensor, M: int) -> torch.Tensor:
-        """``[M, out_features]``: each row's expert bias, zero past the last group (found on the device)."""
-        rows = torch.arange(M, device=offsets.device, dtype=torch.int32)
-        expert = torch.searchsorted(offsets, rows, right=True)
-        padded = torch.cat([self.bias, self.bias.new_zeros(1, self.out_features)])
-        return padded[expert]
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

@@ -27,9 +27,13 @@ def validation_enabled() -> bool:
     return os.environ.get("DROPLESS_VALIDATE", "0") == "1"
 
 
-def check_matrix(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_tensor(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_matrix(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    check_tensor(name, t)
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:

@@ -17,6 +17,7 @@ from dropless.ops.checks import (
     TRITON_DTYPES,
     check_matrix,
     check_same_device,
+    check_tensor,
     resolve_offsets,
     validate_offsets,
 )
@@ -134,6 +135,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
         if offsets is not None:
             raise ValueError("pass offsets or its alias offs, not both")
         offsets = offs
+    check_tensor("x", x)
     dtypes = _dtypes(x.device)
     check_matrix("x", x, 2, dtypes)
     check_matrix("w", w, 3, dtypes)
@@ -165,6 +167,7 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
     Returns:
         ``out``, or a new ``[E, K, N]`` tensor in x's dtype. No host sync on the Triton backend.
     """
+    check_tensor("x", x)
     dtypes = _dtypes(x.device)
     check_matrix("x", x, 2, dtypes)
     check_matrix("dy", dy, 2, dtypes)
