@@ -8,6 +8,7 @@ raises (including running out of memory) gets a row with its error, and the run 
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ import torch
 
 from dropless.bench.check import TOLERANCE, References, max_rel_err
 from dropless.bench.environment import describe
-from dropless.bench.peers import METHODS, Method
+from dropless.bench.peers import METHODS, Case, Method
 from dropless.bench.problem import PASSES, Problem, make_problem, useful_flops
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import Shape, select_shapes
@@ -25,6 +26,7 @@ from dropless.bench.timing import median_ms
 
 FULL_TIMING = (25.0, 100.0)  # do_bench warm-up and repetition, ms: the full set runs in minutes
 QUICK_TIMING = (2.0, 10.0)
+ROUNDS = 3  # timing rounds over all cases of a shape; each case reports its median
 
 
 @dataclass
@@ -59,7 +61,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
         if unknown:
             raise ValueError(f"unknown {name}(s) {unknown}; choose from {list(known)}")
     meta = describe(opts.device, opts.dtype, opts.commit)
-    meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, seed=opts.seed, quick=opts.quick,
+    meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=ROUNDS, seed=opts.seed, quick=opts.quick,
                 max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference, largest over the "
                             "pass's results (y, dx, dw)",
                 tolerance=TOLERANCE[opts.dtype], group_sizes={})
@@ -78,24 +80,41 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
 
 
 def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -> list[dict]:
-    """All rows of one (shape, routing): fresh operands, then each method in turn, freed after."""
+    """All rows of one (shape, routing): fresh operands; every method checked, then timed in rounds.
+
+    The timing runs ``ROUNDS`` times over all (method, pass) cases in turn and keeps each case's
+    median, so a drift of the machine's clocks during the run falls on every method alike rather
+    than on whichever happened to run then.
+    """
     base = {"shape": shape.name, "E": shape.E, "M": shape.M, "K": shape.K, "N": shape.N,
             "routing": routing, "max_group": max(sizes)}
     problem = make_problem(shape, sizes, opts.dtype, opts.device, opts.seed)
     refs = References(problem)
-    rows = []
-    for name in opts.methods:
-        method, error = _build(name, problem)
+    rows, timed = [], []
+    methods = {name: _build(name, problem) for name in opts.methods}
+    for name, (method, error) in methods.items():
         for pass_ in opts.passes:
             row = {**base, "method": name, "pass": pass_, "ms": None, "tflops": None, "ratio_to_dense": None,
                    "max_rel_err": None, "failed": error is not None, "error": error}
-            if method is not None:
-                _measure(method, pass_, refs, opts, useful_flops(shape, pass_), row)
-                _release(opts.device)
+            case = _check(method, pass_, refs, opts, row) if method is not None else None
+            if case is not None:
+                timed.append((row, case, useful_flops(shape, pass_), []))
             rows.append(row)
-        del method
-        _release(opts.device)
-    del problem, refs
+            _release(opts.device)
+    for _ in range(ROUNDS):
+        for row, case, _flops, samples in timed:
+            if row["failed"]:
+                continue
+            try:
+                samples.append(median_ms(case.run, opts.device, opts.warmup, opts.rep))
+            except Exception as exc:  # recorded as the row's error; the benchmark goes on
+                row["failed"] = True
+                row["error"] = _describe_error(exc)
+    for row, _case, flops, samples in timed:
+        if not row["failed"]:
+            row["ms"] = statistics.median(samples)
+            row["tflops"] = flops / row["ms"] / 1e9
+    del methods, timed, problem, refs
     _release(opts.device)
     return rows
 
@@ -107,8 +126,8 @@ def _build(name: str, problem: Problem) -> tuple[Method | None, str | None]:
         return None, _describe_error(exc)
 
 
-def _measure(method: Method, pass_: str, refs: References, opts: GemmOptions, flops: int, row: dict) -> None:
-    """Check ``method``'s ``pass_`` against the reference, then time it; fill ``row`` in place.
+def _check(method: Method, pass_: str, refs: References, opts: GemmOptions, row: dict) -> Case | None:
+    """Run ``method``'s ``pass_`` once against the reference; the case to time if it passed.
 
     ``failed`` is set for a result off the reference by more than the tolerance (NaN included) and
     for a method that raised (then ``error`` says what); a failed row has no timing.
@@ -118,18 +137,16 @@ def _measure(method: Method, pass_: str, refs: References, opts: GemmOptions, fl
         outputs = case.unpack(case.run())
         err = max_rel_err(outputs, refs.get(method.oracle, pass_))
         del outputs
-        row["max_rel_err"] = err if math.isfinite(err) else None
-        if not err <= TOLERANCE[opts.dtype]:
-            row["failed"] = True
-            row["error"] = None if math.isfinite(err) else "non-finite result"
-            return
-        ms = median_ms(case.run, opts.device, opts.warmup, opts.rep)
     except Exception as exc:  # recorded as the row's error; the benchmark goes on with the next case
         row["failed"] = True
         row["error"] = _describe_error(exc)
-        return
-    row["ms"] = ms
-    row["tflops"] = flops / ms / 1e9
+        return None
+    row["max_rel_err"] = err if math.isfinite(err) else None
+    if not err <= TOLERANCE[opts.dtype]:
+        row["failed"] = True
+        row["error"] = None if math.isfinite(err) else "non-finite result"
+        return None
+    return case
 
 
 def _fill_ratios(rows: list[dict]) -> None:

@@ -54,7 +54,7 @@ class Autotuner:
         failure: Exception | None = None
         for config in self.candidates:
             try:
-                timings[config] = do_bench(lambda: run(config), warmup=5, rep=20)
+                timings[config] = do_bench(lambda: run(config), warmup=10, rep=50, return_mode="median")
             except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
                 failure = error
         if not timings:
