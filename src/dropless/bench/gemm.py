@@ -23,6 +23,7 @@ from dropless.bench.problem import PASSES, Problem, make_problem, useful_flops
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import Shape, select_shapes
 from dropless.bench.timing import median_ms
+from dropless.kernels.tuning import tuned_configs
 
 FULL_TIMING = (25.0, 100.0)  # do_bench warm-up and repetition, ms: the full set runs in minutes
 QUICK_TIMING = (2.0, 10.0)
@@ -75,6 +76,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
             rows += _run_case(shape, routing, sizes, opts)
             log(f"{shape.name} {routing}: max_group {max(sizes)}, {time.perf_counter() - tic:.1f} s")
     _fill_ratios(rows)
+    meta["tuned_configs"] = tuned_configs()
     meta["seconds"] = round(time.perf_counter() - started, 1)
     return {"meta": meta, "rows": rows}
 

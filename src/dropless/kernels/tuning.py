@@ -76,3 +76,9 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     run(config)
 
 
+
+
+def tuned_configs() -> dict[str, dict[str, str]]:
+    """The configuration chosen so far for each problem class, by kernel: for logs and benchmarks."""
+    return {tuner.name: {repr(key): str(config) for key, config in tuner.cache.items()}
+            for tuner in (_RAGGED_M, _RAGGED_K)}
