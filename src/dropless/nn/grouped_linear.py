@@ -84,6 +84,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
         self.reset_parameters()
+        self._make_main_grad()
 
     def reset_parameters(self) -> None:
         """Each expert initialized as ``nn.Linear`` would be: U(-1/sqrt(in), 1/sqrt(in))."""
@@ -91,6 +92,17 @@ class GroupedLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+
+    def _make_main_grad(self) -> None:
+        # Made outside forward, so that a compiled forward never allocates the tensor its backward
+        # writes (which torch.compile cannot partition).
+        if self.fuse_wgrad_accumulation:
+            self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._make_main_grad()
+        return module
 
     def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
                 wgrad_accumulation_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,8 +120,6 @@ class GroupedLinear(nn.Module):
         """
         offsets = self._offsets(group_sizes, x.device)
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad:
-            if getattr(self.weight, "main_grad", None) is None:
-                self.weight.main_grad = torch.zeros_like(self.weight, dtype=torch.float32)
             accumulate = (wgrad_accumulation_mask if wgrad_accumulation_mask is not None
                           else torch.ones(self.num_experts, dtype=torch.bool, device=x.device))
             y = _FusedWgradGroupedLinear.apply(x, self.weight, offsets, self.weight.main_grad, accumulate)
