@@ -111,8 +111,16 @@ def _backward(ctx, dy: torch.Tensor):
 _grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
-    return TRITON_DTYPES if use_triton(device) else REFERENCE_DTYPES
+def _check_operands(x: torch.Tensor, name: str, other: torch.Tensor, other_ndim: int) -> None:
+    """x is a matrix and ``other`` a tensor of ``other_ndim`` dims, of one dtype the backend takes,
+    on one device."""
+    check_tensor("x", x)
+    dtypes = TRITON_DTYPES if use_triton(x.device) else REFERENCE_DTYPES
+    check_matrix("x", x, 2, dtypes)
+    check_matrix(name, other, other_ndim, dtypes)
+    if other.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {other.dtype}")
+    check_same_device(x.device, **{name: other})
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None, *,
@@ -135,17 +143,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
         if offsets is not None:
             raise ValueError("pass offsets or its alias offs, not both")
         offsets = offs
-    check_tensor("x", x)
-    dtypes = _dtypes(x.device)
-    check_matrix("x", x, 2, dtypes)
-    check_matrix("w", w, 3, dtypes)
-    if w.dtype != x.dtype:
-        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    _check_operands(x, "w", w, 3)
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(w.shape)}")
     if w.shape[0] == 0:
         raise ValueError("w must hold at least one expert (E >= 1)")
-    check_same_device(x.device, w=w)
     offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
     validate_offsets(offsets, x.shape[0])
     return _grouped_mm(x, w, offsets)
@@ -167,15 +169,9 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
     Returns:
         ``out``, or a new ``[E, K, N]`` tensor in x's dtype. No host sync on the Triton backend.
     """
-    check_tensor("x", x)
-    dtypes = _dtypes(x.device)
-    check_matrix("x", x, 2, dtypes)
-    check_matrix("dy", dy, 2, dtypes)
-    if dy.dtype != x.dtype:
-        raise TypeError(f"dy must have x's dtype {x.dtype}, got {dy.dtype}")
+    _check_operands(x, "dy", dy, 2)
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"dy must have x's number of rows M={x.shape[0]}, got shape {tuple(dy.shape)}")
-    check_same_device(x.device, dy=dy)
     source = offsets if offsets is not None else group_sizes
     E = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() == 1 else -1
     offsets = resolve_offsets(offsets, group_sizes, E, x.device)
