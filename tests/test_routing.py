@@ -1,0 +1,146 @@
+"""Top-k routing (dropless.ops.routing.route) and the TopKRouter module against plain loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dropless.nn.router import TopKRouter
+from dropless.ops.routing import route
+
+
+def _loop_route(logits, top_k, score_func, renormalize, n_groups=None, topk_groups=None, bias=None, scale=1.0):
+    """Token by token, expert by expert: the routing written the plainest way."""
+    T, E = logits.shape
+    ids, weights = [], []
+    for t in range(T):
+        row = logits[t].double()
+        scores = torch.softmax(row, 0) if score_func == "softmax" else torch.sigmoid(row)
+        choice = scores + (bias.double() if bias is not None else 0)
+        allowed = list(range(E))
+        if n_groups is not None:
+            size = E // n_groups
+            def group_score(g):
+                vals = sorted(choice[g * size:(g + 1) * size].tolist(), reverse=True)
+                return vals[0] + (vals[1] if score_func == "sigmoid" and size >= 2 else 0.0)
+            groups = sorted(range(n_groups), key=group_score, reverse=True)[:topk_groups]
+            allowed = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(allowed, key=lambda e: choice[e].item(), reverse=True)[:top_k]
+        w = scores[chosen]
+        if renormalize:
+            w = w / w.sum()
+        ids.append(chosen)
+        weights.append((w * scale).tolist())
+    return torch.tensor(ids), torch.tensor(weights, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (7, 8, 2), (33, 64, 8), (20, 6, 6)])
+def test_route_matches_loop(score_func, renormalize, T, E, k):
+    logits = torch.randn(T, E) * 3
+    routing = route(logits, k, score_func=score_func, renormalize=renormalize, scale=1.5)
+    ids, weights = _loop_route(logits, k, score_func, renormalize, scale=1.5)
+    assert torch.equal(routing.expert_ids, ids)
+    torch.testing.assert_close(routing.weights.double(), weights, rtol=1e-5, atol=1e-6)
+    assert routing.weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_group_limited_routing_matches_loop(score_func):
+    T, E, k, n_groups, topk_groups = 25, 16, 4, 4, 2
+    logits = torch.randn(T, E) * 2
+    bias = torch.randn(E) * 0.1
+    routing = route(logits, k, score_func=score_func, n_groups=n_groups, topk_groups=topk_groups, expert_bias=bias)
+    ids, weights = _loop_route(logits, k, score_func, True, n_groups, topk_groups, bias)
+    assert torch.equal(routing.expert_ids, ids)
+    torch.testing.assert_close(routing.weights.double(), weights, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_bias_steers_the_choice_not_the_weights():
+    logits = torch.randn(10, 8)
+    bias = torch.zeros(8)
+    bias[3] = 100.0
+    routing = route(logits, 2, score_func="sigmoid", renormalize=False, expert_bias=bias)
+    assert bool((routing.expert_ids[:, 0] == 3).all())
+    torch.testing.assert_close(routing.weights[:, 0], torch.sigmoid(logits[:, 3]))
+
+
+def test_counts_and_losses():
+    T, E, k = 40, 8, 2
+    logits = torch.randn(T, E)
+    routing = route(logits, k)
+    counts = torch.bincount(routing.expert_ids.flatten(), minlength=E)
+    assert torch.equal(routing.tokens_per_expert, counts.to(torch.int32))
+    probs = torch.softmax(logits, -1)
+    expected_aux = E * ((counts.float() / (T * k)) * probs.mean(0)).sum()
+    torch.testing.assert_close(routing.aux_loss, expected_aux)
+    torch.testing.assert_close(routing.z_loss, torch.logsumexp(logits, -1).square().mean())
+
+
+def test_aux_loss_is_one_at_perfect_balance():
+    E = 4
+    logits = torch.zeros(E, E)
+    logits.fill_diagonal_(5.0)  # token t prefers expert t: every expert gets one token
+    routing = route(logits, 1)
+    assert math.isclose(routing.aux_loss.item(), 1.0, rel_tol=1e-6)
+
+
+def test_route_gradcheck_fp64():
+    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(z):
+        r = route(z, 2, score_func="softmax")
+        return r.weights, r.aux_loss, r.z_loss
+
+    assert torch.autograd.gradcheck(f, (logits,))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"score_func": "relu"}, "score_func"),
+    ({"n_groups": 3, "topk_groups": 1}, "n_groups"),
+    ({"n_groups": 4, "topk_groups": 5}, "topk_groups"),
+    ({"n_groups": 4, "topk_groups": 1, "top_k": 3}, "fewer than top_k"),
+])
+def test_route_rejects_bad_options(kwargs, match):
+    top_k = kwargs.pop("top_k", 2)
+    with pytest.raises(ValueError, match=match):
+        route(torch.randn(4, 8), top_k, **kwargs)
+
+
+@pytest.mark.parametrize("top_k", [0, 9])
+def test_route_rejects_bad_top_k(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.randn(4, 8), top_k)
+
+
+def test_router_module_counts_and_bias_update():
+    torch.manual_seed(0)
+    router = TopKRouter(16, 8, 2, score_func="sigmoid", expert_bias=True, bias_update_rate=0.01)
+    with torch.no_grad():
+        router.weight[5] += 3.0  # expert 5 wins most tokens
+    x = torch.randn(64, 16).abs()
+    routing = router(x)
+    assert torch.equal(router.tokens_per_expert, routing.tokens_per_expert)
+    load = routing.tokens_per_expert.float()
+    router.update_expert_bias()
+    expected = 0.01 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(router.expert_bias, expected)
+    assert router.expert_bias[5] < 0
+    assert int(router.load_since_update.sum()) == 0
+
+
+def test_router_without_bias_refuses_update():
+    with pytest.raises(RuntimeError, match="expert_bias=True"):
+        TopKRouter(8, 4, 1).update_expert_bias()
+
+
+def test_router_gradient_reaches_the_gate():
+    router = TopKRouter(8, 4, 2, dtype=torch.float64)
+    x = torch.randn(10, 8, dtype=torch.float64)
+    routing = router(x)
+    ((routing.weights ** 2).sum() + routing.aux_loss).backward()
+    assert router.weight.grad is not None and bool(torch.isfinite(router.weight.grad).all())
+    assert router.weight.grad.abs().sum() > 0
