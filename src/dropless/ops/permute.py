@@ -1,0 +1,239 @@
+"""Permute and unpermute: the gathers around the grouped GEMMs of a dropless MoE layer.
+
+    x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(x, topk_ids, E)
+    y_sorted = grouped_mm(x_sorted, w, offsets)           # or any per-expert computation
+    y = unpermute(y_sorted, sorted_to_token_slot, weights, offsets)
+
+Token t's k copies are the slots ``s = t*k + j``; permute sorts them by expert, stably, so the result
+is deterministic and each expert's rows keep token order. Expert ids outside ``[0, E)`` (the
+expert-parallel sentinel ``>= E``: the copy goes to no local expert) sort after every expert, past
+``offsets[-1]``; their rows are zeros and unpermute skips them.
+
+Both ops are ``torch.library`` custom ops with fake implementations and autograd, so
+``torch.compile(fullgraph=True)`` traces through them. Output shapes depend only on ``T``, ``k``,
+``d`` and ``E``, and nothing reads the routing on the host: no host sync on the Triton backend (the
+sort, the counts and the inverse map are device ops; the gathers are Triton kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless import reference
+from dropless.backend import use_triton
+from dropless.kernels.permute import permute_rows, unpermute_rows
+from dropless.ops.checks import (
+    REFERENCE_DTYPES,
+    TRITON_DTYPES,
+    check_matrix,
+    check_same_device,
+    check_tensor,
+    validate_offsets,
+)
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+_MAX_ROWS = 2**31 - 1  # sorted_to_token_slot and offsets are int32
+
+
+def _sort_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sorted_to_token_slot`` int32 ``[T*k]``, ``group_sizes`` and ``offsets`` int32 ``[E]``, on the
+    device. The offsets come from a binary search of the sorted ids (no bincount, which syncs, and
+    no atomics)."""
+    ids = topk_ids.reshape(-1)
+    ids = torch.where((ids >= 0) & (ids < E), ids, E)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    experts = torch.arange(E, dtype=ids.dtype, device=ids.device)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    group_sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return order.to(torch.int32), group_sizes, offsets
+
+
+def _invert(sorted_to_token_slot: torch.Tensor) -> torch.Tensor:
+    """``slot_to_sorted [T*k]``: the sorted row of each slot (a scatter; no host sync)."""
+    M = sorted_to_token_slot.shape[0]
+    rows = torch.arange(M, dtype=sorted_to_token_slot.dtype, device=sorted_to_token_slot.device)
+    return torch.empty_like(sorted_to_token_slot).scatter_(0, sorted_to_token_slot.long(), rows)
+
+
+def _top_k(weights: torch.Tensor | None, sorted_rows: int, num_tokens: int) -> int:
+    """k, from the weights ``[T, k]`` when given (``T`` may be 0), else from ``T*k`` rows."""
+    if weights is not None:
+        return weights.shape[1]
+    return sorted_rows // num_tokens if num_tokens else 0
+
+
+@torch.library.custom_op("dropless::permute", mutates_args=())
+def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
+             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not use_triton(x.device):
+        return reference.permute(x, topk_ids, num_experts)
+    sorted_to_token_slot, group_sizes, offsets = _sort_by_expert(topk_ids, num_experts)
+    k = topk_ids.shape[1]
+    x_sorted = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype, device=x.device)
+    permute_rows(x, sorted_to_token_slot, offsets, k, x_sorted)
+    return x_sorted, sorted_to_token_slot, group_sizes, offsets
+
+
+@_permute.register_fake
+def _(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+    M = x.shape[0] * topk_ids.shape[1]
+    return (x.new_empty(M, x.shape[1]), topk_ids.new_empty(M, dtype=torch.int32),
+            topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+@torch.library.custom_op("dropless::unpermute", mutates_args=())
+def _unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
+               offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``y [T, d]``; ``weights=None`` sums the copies unweighted (permute's backward)."""
+    k = _top_k(weights, y_sorted.shape[0], num_tokens)
+    if not use_triton(y_sorted.device):
+        w = weights if weights is not None else y_sorted.new_ones(num_tokens, k)
+        return reference.unpermute(y_sorted, sorted_to_token_slot, w, offsets)
+    y = torch.empty(num_tokens, y_sorted.shape[1], dtype=y_sorted.dtype, device=y_sorted.device)
+    unpermute_rows(y_sorted, _invert(sorted_to_token_slot), offsets, k, y, weights)
+    return y
+
+
+@_unpermute.register_fake
+def _(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
+      offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
+
+
+@torch.library.custom_op("dropless::unpermute_backward", mutates_args=())
+def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
+                        weights: torch.Tensor | None, offsets: torch.Tensor,
+                        need_dweights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy_sorted [T*k, d]`` in dy's dtype and ``dweights [T, k]`` in weights' dtype (an empty
+    ``[0]`` tensor unless ``need_dweights`` and weights are given)."""
+    T, M = dy.shape[0], sorted_to_token_slot.shape[0]
+    k = _top_k(weights, M, T)
+    with_dweights = need_dweights and weights is not None
+    if not use_triton(dy.device):
+        w = weights if weights is not None else dy.new_ones(T, k)
+        dy_sorted, dweights = reference.unpermute_backward(dy, y_sorted, sorted_to_token_slot, w, offsets)
+        return dy_sorted, dweights if with_dweights else dy.new_empty(0)
+    dy_sorted = torch.empty(M, dy.shape[1], dtype=dy.dtype, device=dy.device)
+    if not with_dweights:
+        permute_rows(dy, sorted_to_token_slot, offsets, k, dy_sorted, weights)
+        return dy_sorted, dy.new_empty(0)
+    dweights = torch.empty(M, dtype=torch.float32, device=dy.device)
+    permute_rows(dy, sorted_to_token_slot, offsets, k, dy_sorted, weights, other=y_sorted, dweights=dweights)
+    return dy_sorted, dweights.view(T, k).to(weights.dtype)
+
+
+@_unpermute_backward.register_fake
+def _(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
+      weights: torch.Tensor | None, offsets: torch.Tensor, need_dweights: bool):
+    dy_sorted = dy.new_empty(sorted_to_token_slot.shape[0], dy.shape[1])
+    if need_dweights and weights is not None:
+        return dy_sorted, weights.new_empty(weights.shape)
+    return dy_sorted, dy.new_empty(0)
+
+
+def _permute_setup_context(ctx, inputs, output) -> None:
+    x, _, _ = inputs
+    _, sorted_to_token_slot, _, offsets = output
+    ctx.save_for_backward(sorted_to_token_slot, offsets)
+    ctx.num_tokens = x.shape[0]
+
+
+def _permute_bwd(ctx, dx_sorted, *_):
+    sorted_to_token_slot, offsets = ctx.saved_tensors
+    return _unpermute(dx_sorted, sorted_to_token_slot, None, offsets, ctx.num_tokens), None, None
+
+
+_permute.register_autograd(_permute_bwd, setup_context=_permute_setup_context)
+
+
+def _unpermute_setup_context(ctx, inputs, output) -> None:
+    y_sorted, sorted_to_token_slot, weights, offsets, _ = inputs
+    ctx.save_for_backward(y_sorted, sorted_to_token_slot, weights, offsets)
+
+
+def _unpermute_bwd(ctx, dy):
+    y_sorted, sorted_to_token_slot, weights, offsets = ctx.saved_tensors
+    need_dweights = ctx.needs_input_grad[2]
+    dy_sorted, dweights = _unpermute_backward(dy, y_sorted, sorted_to_token_slot, weights, offsets,
+                                              need_dweights)
+    return (dy_sorted if ctx.needs_input_grad[0] else None, None,
+            dweights if need_dweights else None, None, None)
+
+
+_unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup_context)
+
+
+def _check(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """``t`` a tensor of ``ndim`` dims with a dtype in ``dtypes`` (default: those the backend takes)."""
+    check_tensor(name, t)
+    check_matrix(name, t, ndim, dtypes or (TRITON_DTYPES if use_triton(t.device) else REFERENCE_DTYPES))
+
+
+def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather the token copies into expert order: ``x_sorted[p] = x[sorted_to_token_slot[p] // k]``.
+
+    Args:
+        x: ``[T, d]`` tokens; bf16, fp16 or fp32 (fp64 on the reference backend).
+        topk_ids: int32/int64 ``[T, k]`` on x's device: the expert of copy j of token t (slot
+            ``t*k + j``). Ids outside ``[0, num_experts)`` (``>= E``: an expert-parallel sentinel)
+            send the copy to no local expert.
+        num_experts: E >= 1, the number of local experts.
+    Returns:
+        ``x_sorted [T*k, d]`` (x's dtype): rows grouped by expert, ascending, token order kept within
+        an expert (a stable sort: deterministic); the sentinel copies' rows come last, past
+        ``offsets[-1]``, and are zero.
+        ``sorted_to_token_slot`` int32 ``[T*k]``: the slot ``t*k + j`` of each sorted row.
+        ``group_sizes`` int32 ``[E]``: rows per expert. ``offsets`` int32 ``[E]``: their cumulative
+        ends, as ``grouped_mm`` takes them.
+
+    Differentiable in x (``dx[t]`` sums the gradients of its valid copies, in slot order). Static
+    output shapes and no host sync on the Triton backend: CUDA-graph capturable.
+    """
+    _check("x", x, 2)
+    _check("topk_ids", topk_ids, 2, INDEX_DTYPES)
+    T, k = topk_ids.shape
+    if T != x.shape[0]:
+        raise ValueError(f"topk_ids must have shape [T, k] with T={x.shape[0]} (x's rows), got {tuple(topk_ids.shape)}")
+    check_same_device(x.device, topk_ids=topk_ids)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if T * k > _MAX_ROWS:
+        raise ValueError(f"topk_ids has T*k = {T * k} copies; at most 2**31 - 1 are supported (int32 indices)")
+    return _permute(x, topk_ids, num_experts)
+
+
+def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor,
+              offsets: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs: ``y[t] = sum_j weights[t, j] * y_sorted[p(t*k + j)]``.
+
+    Args:
+        y_sorted: ``[T*k, d]`` rows in the order ``permute`` returned; bf16, fp16 or fp32 (fp64 on
+            the reference backend).
+        sorted_to_token_slot: int32/int64 ``[T*k]`` from ``permute``.
+        weights: ``[T, k]`` router weights of the copies, any float dtype and strides.
+        offsets: int32/int64 ``[E]`` from ``permute``; the rows at or past ``offsets[-1]`` (sentinel
+            copies) contribute nothing, whatever y_sorted holds there. Read on the device.
+    Returns:
+        ``y [T, d]`` in y_sorted's dtype, summed in fp32 in slot order (deterministic).
+
+    Differentiable in y_sorted (``dy_sorted[p] = weights[t, j] * dy[t]``, zero for sentinel rows)
+    and weights (``dweights[t, j] = <dy[t], y_sorted[p]>`` in fp32, zero for sentinel copies). No
+    host sync on the Triton backend: the inverse map ``slot -> sorted row`` is a scatter on the device.
+    """
+    _check("y_sorted", y_sorted, 2)
+    _check("weights", weights, 2, REFERENCE_DTYPES)
+    _check("sorted_to_token_slot", sorted_to_token_slot, 1, INDEX_DTYPES)
+    _check("offsets", offsets, 1, INDEX_DTYPES)
+    T, k = weights.shape
+    if y_sorted.shape[0] != T * k:
+        raise ValueError(f"y_sorted must have T*k = {T * k} rows (weights is [T, k] = [{T}, {k}]), "
+                         f"got shape {tuple(y_sorted.shape)}")
+    if sorted_to_token_slot.shape[0] != T * k:
+        raise ValueError(f"sorted_to_token_slot must have shape [T*k] = [{T * k}] (weights is [T, k] = "
+                         f"[{T}, {k}]), got {tuple(sorted_to_token_slot.shape)}")
+    if offsets.shape[0] == 0:
+        raise ValueError("offsets must hold at least one expert (shape [E] with E >= 1), got shape (0,)")
+    check_same_device(y_sorted.device, sorted_to_token_slot=sorted_to_token_slot, weights=weights, offsets=offsets)
+    validate_offsets(offsets, T * k)
+    return _unpermute(y_sorted, sorted_to_token_slot, weights, offsets, T)
