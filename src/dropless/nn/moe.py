@@ -1,0 +1,112 @@
+"""MoE: a dropless Mixture-of-Experts layer with gated (SwiGLU) experts and no host sync."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dropless.nn.grouped_linear import GroupedLinear
+from dropless.nn.router import TopKRouter
+from dropless.ops.activation import geglu, swiglu
+from dropless.ops.permute import permute, unpermute
+
+ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
+
+
+class SharedExperts(nn.Module):
+    """Experts every token goes to (DeepSeek): one dense gated MLP of width ``d_ff``."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=bias, device=device, dtype=dtype)
+        self.down = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, d_model] -> [T, d_model]``."""
+        return self.down(ACTIVATIONS[self.activation](self.gate_up(x)))
+
+
+class MoE(nn.Module):
+    """A dropless MoE layer: every token goes to its ``top_k`` experts, no capacity, no dropping.
+
+    router (fp32) -> permute (token copies sorted by expert, on the device) -> one grouped GEMM for
+    the fused gate and up projections (``N = 2 * d_ff``) -> gated activation -> grouped down GEMM ->
+    unpermute (each token's weighted sum of its experts' outputs) [+ shared experts]. No step reads
+    the routing on the host, so the layer, forward and backward, can be captured in a CUDA graph.
+
+    Args:
+        d_model, d_ff: model width and each expert's hidden width.
+        num_experts, top_k: E experts, k per token.
+        score_func, renormalize, n_groups, topk_groups, routed_scaling: routing options, see
+            ``dropless.ops.routing.route`` (``routed_scaling`` is its ``scale``).
+        expert_bias, bias_update_rate: DeepSeek-V3's auxiliary-loss-free balancing; call
+            ``update_expert_bias()`` once per optimizer step.
+        aux_loss_coef, z_loss_coef: weights of the load-balancing and z losses in ``aux_loss``.
+        num_shared_experts, shared_d_ff: experts every token uses (width ``num_shared_experts *
+            shared_d_ff``, ``shared_d_ff`` defaulting to ``d_ff``).
+        bias: biases in the expert projections.
+        activation: ``"swiglu"`` or ``"geglu"``.
+        fuse_wgrad_accumulation: expert weight gradients go into ``main_grad`` (see GroupedLinear).
+
+    Experts' weights: ``experts_gate_up.weight [E, 2*d_ff, d_model]`` (gate rows, then up rows) and
+    ``experts_down.weight [E, d_model, d_ff]``.
+
+    After each forward: ``aux_loss`` (fp32 scalar, ``aux_loss_coef * load-balancing loss +
+    z_loss_coef * z loss``, to add to the training loss), ``load_balancing_loss`` and ``z_loss``
+    (unscaled) and ``tokens_per_expert`` (int32 ``[E]`` on the device).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, *,
+                 score_func: str = "softmax", renormalize: bool = True, n_groups: int | None = None,
+                 topk_groups: int | None = None, routed_scaling: float = 1.0, expert_bias: bool = False,
+                 bias_update_rate: float = 1e-3, aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0,
+                 num_shared_experts: int = 0, shared_d_ff: int | None = None, bias: bool = False,
+                 activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        self.d_model = d_model
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.activation = activation
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        factory = {"device": device, "dtype": dtype}
+        self.router = TopKRouter(d_model, num_experts, top_k, score_func=score_func, renormalize=renormalize,
+                                 n_groups=n_groups, topk_groups=topk_groups, expert_bias=expert_bias,
+                                 bias_update_rate=bias_update_rate, scale=routed_scaling, **factory)
+        self.experts_gate_up = GroupedLinear(num_experts, d_model, 2 * d_ff, bias=bias,
+                                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, **factory)
+        self.experts_down = GroupedLinear(num_experts, d_ff, d_model, bias=bias,
+                                          fuse_wgrad_accumulation=fuse_wgrad_accumulation, **factory)
+        self.shared_experts = (SharedExperts(d_model, num_shared_experts * (shared_d_ff or d_ff), activation,
+                                             **factory) if num_shared_experts > 0 else None)
+        self.aux_loss: torch.Tensor | None = None
+        self.load_balancing_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., d_model] -> y [..., d_model]`` in x's dtype."""
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.d_model)
+        routing = self.router(tokens)
+        x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids, self.num_experts)
+        h = self.experts_gate_up(x_sorted, group_sizes)
+        out_sorted = self.experts_down(ACTIVATIONS[self.activation](h), group_sizes)
+        y = unpermute(out_sorted, sorted_to_token_slot, routing.weights, offsets)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        self.load_balancing_loss = routing.aux_loss
+        self.z_loss = routing.z_loss
+        self.aux_loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
+        self.tokens_per_expert = routing.tokens_per_expert
+        return y.reshape(x.shape)
+
+    def update_expert_bias(self) -> None:
+        """Move the router's expert bias toward balance (needs ``expert_bias=True``); no host sync."""
+        self.router.update_expert_bias()

@@ -1,0 +1,131 @@
+"""dropless.nn.MoE against a plain PyTorch MoE: a loop over tokens and their experts, in fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REL_TOL, rel_err
+
+from dropless.nn.moe import MoE
+from dropless.ops.routing import route
+
+
+def _oracle(moe: MoE, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The layer written as a loop over tokens and their k experts, on fp64 copies of its weights."""
+    r = moe.router
+    logits = x @ params["router"].t()
+    routing = route(logits, r.top_k, score_func=r.score_func, renormalize=r.renormalize, n_groups=r.n_groups,
+                    topk_groups=r.topk_groups, expert_bias=r.expert_bias, scale=r.scale)
+    d_ff = params["down"].shape[2]
+    rows = []
+    for t in range(x.shape[0]):
+        out = torch.zeros(x.shape[1], dtype=x.dtype)
+        for j in range(r.top_k):
+            e = int(routing.expert_ids[t, j])
+            h = params["gate_up"][e] @ x[t]
+            if "gate_up_bias" in params:
+                h = h + params["gate_up_bias"][e]
+            a = F.silu(h[:d_ff]) * h[d_ff:]
+            o = params["down"][e] @ a
+            if "down_bias" in params:
+                o = o + params["down_bias"][e]
+            out = out + routing.weights[t, j] * o
+        rows.append(out)
+    y = torch.stack(rows)
+    if moe.shared_experts is not None:
+        h = x @ params["shared_gate_up"].t()
+        y = y + (F.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2:]) @ params["shared_down"].t()
+    return y
+
+
+def _fp64_params(moe: MoE) -> dict[str, torch.Tensor]:
+    named = {"router": moe.router.weight, "gate_up": moe.experts_gate_up.weight, "down": moe.experts_down.weight}
+    if moe.experts_gate_up.bias is not None:
+        named |= {"gate_up_bias": moe.experts_gate_up.bias, "down_bias": moe.experts_down.bias}
+    if moe.shared_experts is not None:
+        named |= {"shared_gate_up": moe.shared_experts.gate_up.weight, "shared_down": moe.shared_experts.down.weight}
+    return {k: v.detach().cpu().double().requires_grad_() for k, v in named.items()}
+
+
+CASES = {
+    "mixtral_like": dict(T=12, d=16, d_ff=24, E=4, k=2),
+    "t1": dict(T=1, d=16, d_ff=8, E=4, k=2),
+    "k1": dict(T=9, d=8, d_ff=12, E=3, k=1, renormalize=False),
+    "k8": dict(T=6, d=8, d_ff=8, E=8, k=8),
+    "e1": dict(T=5, d=8, d_ff=8, E=1, k=1),
+    "bias_shared": dict(T=10, d=16, d_ff=8, E=4, k=2, bias=True, num_shared_experts=2),
+    "sigmoid_groups": dict(T=10, d=16, d_ff=8, E=8, k=2, score_func="sigmoid", n_groups=4, topk_groups=2,
+                           routed_scaling=2.5),
+}
+
+
+def _build(case: dict, dtype: torch.dtype, device) -> MoE:
+    c = dict(case)
+    T, d, d_ff, E, k = (c.pop(n) for n in ("T", "d", "d_ff", "E", "k"))
+    return MoE(d, d_ff, E, k, device=device, dtype=dtype, **c)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_matches_loop(backend, name):
+    kind, device = backend
+    dtype = torch.float64 if kind == "reference" else torch.float32
+    case = CASES[name]
+    moe = _build(case, dtype, device)
+    x = torch.randn(case["T"], case["d"], dtype=dtype, device=device, requires_grad=True)
+    y = moe(x)
+    params = _fp64_params(moe)
+    x64 = x.detach().cpu().double().requires_grad_()
+    ref = _oracle(moe, x64, params)
+    assert rel_err(y, ref) <= REL_TOL[dtype]
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref.backward(dy.detach().cpu().double())
+    assert rel_err(x.grad, x64.grad) <= REL_TOL[dtype]
+    assert rel_err(moe.experts_gate_up.weight.grad, params["gate_up"].grad) <= REL_TOL[dtype]
+    assert rel_err(moe.experts_down.weight.grad, params["down"].grad) <= REL_TOL[dtype]
+    assert rel_err(moe.router.weight.grad, params["router"].grad) <= REL_TOL[dtype]
+
+
+def test_moe_keeps_shape_and_reports_losses(reference_backend):
+    moe = MoE(16, 8, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = torch.randn(2, 3, 16)
+    y = moe(x)
+    assert y.shape == x.shape
+    assert int(moe.tokens_per_expert.sum()) == 2 * 3 * 2
+    torch.testing.assert_close(moe.aux_loss, 0.1 * moe.load_balancing_loss + 0.01 * moe.z_loss)
+
+
+def test_moe_zero_token_experts_and_one_expert_for_all(reference_backend):
+    moe = MoE(8, 8, 6, 1, dtype=torch.float64)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[2] = 1.0
+    x = torch.rand(7, 8, dtype=torch.float64) + 0.1  # positive: every token scores expert 2 highest
+    y = moe(x)
+    assert moe.tokens_per_expert.tolist() == [0, 0, 7, 0, 0, 0]
+    assert rel_err(y, _oracle(moe, x, _fp64_params(moe))) <= REL_TOL[torch.float64]
+
+
+def test_moe_expert_bias_update(reference_backend):
+    moe = MoE(8, 8, 4, 1, score_func="sigmoid", expert_bias=True, bias_update_rate=0.5)
+    moe(torch.randn(16, 8))
+    before = moe.router.expert_bias.clone()
+    moe.update_expert_bias()
+    assert not torch.equal(before, moe.router.expert_bias)
+
+
+def test_moe_rejects_bad_input(reference_backend):
+    with pytest.raises(ValueError, match="activation"):
+        MoE(8, 8, 4, 1, activation="relu")
+    with pytest.raises(ValueError, match="d_model=8"):
+        MoE(8, 8, 4, 1)(torch.randn(3, 7))
+
+
+@pytest.mark.slow
+def test_moe_compiles_fullgraph(reference_backend):
+    torch._dynamo.reset()
+    moe = MoE(16, 8, 4, 2, dtype=torch.float64)
+    x = torch.randn(10, 16, dtype=torch.float64)
+    compiled = torch.compile(moe, fullgraph=True)
+    torch.testing.assert_close(compiled(x), moe(x))
