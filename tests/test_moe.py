@@ -129,3 +129,70 @@ def test_moe_compiles_fullgraph(reference_backend):
     x = torch.randn(10, 16, dtype=torch.float64)
     compiled = torch.compile(moe, fullgraph=True)
     torch.testing.assert_close(compiled(x), moe(x))
+
+
+def _gpu_moe() -> MoE:
+    return MoE(256, 128, 16, 4, num_shared_experts=1, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_forward_backward_without_host_sync():
+    moe = _gpu_moe()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().square().mean().backward()  # warm-up: autotuning syncs on its first call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe(x)
+        (y.float().square().mean() + moe.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(x.grad).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_cuda_graph_replays_new_routing():
+    moe = _gpu_moe()
+    static_x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up and autotuning outside the capture
+            moe(static_x).float().square().mean().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    moe.zero_grad(set_to_none=False)
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        static_y = moe(static_x)
+        static_y.float().square().mean().backward()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        fresh = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * (1 + seed)
+        with torch.no_grad():
+            static_x.copy_(fresh)
+        moe.zero_grad(set_to_none=False)
+        static_x.grad.zero_()
+        graph.replay()
+        counts = moe.tokens_per_expert.clone()
+        x = fresh.clone().requires_grad_()
+        moe.zero_grad(set_to_none=False)
+        y = moe(x)
+        assert torch.equal(counts, moe.tokens_per_expert)
+        assert rel_err(static_y, y) <= REL_TOL[torch.bfloat16]
+        y.float().square().mean().backward()
+        assert rel_err(static_x.grad, x.grad) <= REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_compiles_fullgraph_on_gpu():
+    torch._dynamo.reset()
+    moe = _gpu_moe()
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    eager = moe(x)
+    compiled = torch.compile(moe, fullgraph=True)(x)
+    assert rel_err(compiled, eager) <= REL_TOL[torch.bfloat16]
