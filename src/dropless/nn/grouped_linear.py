@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dropless.ops import grouped_mm, grouped_mm_wgrad
+from dropless.ops.group_bias import add_group_bias
+from dropless.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 
 
 class _FusedWgradGroupedLinear(torch.autograd.Function):
@@ -32,26 +33,6 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         return dx, None, None, None, None
-
-
-class _GroupBias(torch.autograd.Function):
-    """``y + bias[expert of row]`` (zero past the last group); the bias gradient is summed in fp32."""
-
-    @staticmethod
-    def forward(ctx, y, bias, offsets):
-        expert = torch.searchsorted(offsets, torch.arange(y.shape[0], device=y.device, dtype=offsets.dtype),
-                                    right=True)
-        ctx.save_for_backward(expert)
-        ctx.num_experts = bias.shape[0]
-        padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-        return y + padded[expert]
-
-    @staticmethod
-    def backward(ctx, dy):
-        (expert,) = ctx.saved_tensors
-        sums = dy.new_zeros(ctx.num_experts + 1, dy.shape[1], dtype=torch.float32)
-        sums.index_add_(0, expert, dy.float())
-        return dy, sums[:-1].to(dy.dtype), None
 
 
 class GroupedLinear(nn.Module):
@@ -128,7 +109,7 @@ class GroupedLinear(nn.Module):
                 raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
             y = grouped_mm(x, self.weight.transpose(1, 2), offsets)
         if self.bias is not None:
-            y = _GroupBias.apply(y, self.bias, offsets)
+            y = add_group_bias(y, self.bias, offsets)
         return y
 
     def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
