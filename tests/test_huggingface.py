@@ -9,6 +9,7 @@ from conftest import REL_TOL, rel_err
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from dropless.integrations import experts_forward, register_transformers  # noqa: E402
+from dropless.nn.moe import MoE  # noqa: E402
 
 VOCAB = 64
 
@@ -76,3 +77,30 @@ def test_sentinel_expert_ids_contribute_nothing(backend):
     expected = experts_forward(experts, x, torch.where(valid, ids, 0), torch.where(valid, weights, 0.0))
     torch.testing.assert_close(y, expected)
     assert torch.equal(y[4], torch.zeros(32))
+
+
+@pytest.mark.parametrize("name,layer", [("mixtral", 0), ("qwen3_moe", 1), ("deepseek_v3", 1)])
+def test_moe_from_hf_block(backend, name, layer):
+    model = _model(name)
+    model.set_experts_implementation("eager")
+    block = model.model.layers[layer].mlp
+    with torch.no_grad():
+        if hasattr(block.gate, "e_score_correction_bias"):
+            block.gate.e_score_correction_bias.normal_(0, 0.1)
+    moe = MoE.from_hf(block)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    ref = block(x)
+    ref.square().mean().backward()
+    ref_grad = x.grad.clone()
+    x.grad = None
+    y = moe(x)
+    y.square().mean().backward()
+    tol = REL_TOL[torch.float32]
+    assert rel_err(y, ref) <= tol
+    assert rel_err(x.grad, ref_grad) <= tol
+
+
+def test_moe_from_hf_rejects_custom_gates():
+    block = _model("gpt_oss").model.layers[0].mlp
+    with pytest.raises(ValueError, match="GptOss"):
+        MoE.from_hf(block)

@@ -11,6 +11,9 @@ from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
+# transformers' activation modules by class name, to the gated activation they make with [gate | up].
+_HF_ACTIVATIONS = {"SiLU": "swiglu", "SiLUActivation": "swiglu", "GELUTanh": "geglu",
+                   "PytorchGELUTanh": "geglu", "NewGELUActivation": "geglu", "GELUPytorchTanh": "geglu"}
 
 
 class SharedExperts(nn.Module):
@@ -106,6 +109,53 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
+
+    @classmethod
+    def from_hf(cls, block: nn.Module) -> MoE:
+        """A ``MoE`` with the weights and routing of a Hugging Face transformers sparse-MoE block.
+
+        Takes the blocks of Mixtral and Qwen3-MoE (softmax top-k router) and DeepSeek-V3 (sigmoid
+        router with group-limited choice, score-correction bias, routed scaling and shared experts):
+        a module with ``gate`` (router weight ``[E, d]``, ``top_k``) and ``experts`` (gated, fused
+        ``gate_up_proj [E, 2*d_ff, d]`` and ``down_proj [E, d, d_ff]``, SiLU or tanh-GELU, no bias).
+        The weights are copied; ``aux_loss_coef`` is 0 (transformers adds its own auxiliary loss).
+        Raises ValueError, naming what differs, for any other block.
+        """
+        name = type(block).__name__
+        gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        if gate is None or experts is None or not hasattr(experts, "gate_up_proj"):
+            raise ValueError(f"{name}: expected a sparse-MoE block with a `gate` router and fused `experts`")
+        custom_gate = getattr(type(experts)._apply_gate, "__name__", "") != "_default_apply_gate"
+        if (not experts.has_gate or experts.has_bias or experts.is_transposed or not experts.is_concatenated
+                or experts.has_post_expert_norm or custom_gate):
+            raise ValueError(f"{name}: only gated experts with concatenated [gate | up] weights in nn.Linear "
+                             "layout, no bias, no custom gate and no post-expert norm can become a MoE")
+        activation = _HF_ACTIVATIONS.get(type(experts.act_fn).__name__)
+        if activation is None:
+            raise ValueError(f"{name}: the experts' activation {type(experts.act_fn).__name__} has no dropless kernel")
+        if getattr(gate, "bias", None) is not None or hasattr(block, "shared_expert_gate"):
+            raise ValueError(f"{name}: router biases and gated shared experts are not supported")
+        E, d_model = gate.weight.shape
+        d_ff = experts.gate_up_proj.shape[1] // 2
+        deepseek = hasattr(gate, "e_score_correction_bias")
+        shared = getattr(block, "shared_experts", None)
+        routing = (dict(score_func="sigmoid", n_groups=gate.num_group, topk_groups=gate.topk_group,
+                        renormalize=gate.norm_topk_prob, routed_scaling=gate.routed_scaling_factor, expert_bias=True)
+                   if deepseek else dict(score_func="softmax", renormalize=getattr(gate, "norm_topk_prob", True)))
+        moe = cls(d_model, d_ff, E, gate.top_k, aux_loss_coef=0.0, activation=activation,
+                  num_shared_experts=1 if shared is not None else 0,
+                  shared_d_ff=shared.gate_proj.out_features if shared is not None else None,
+                  device=gate.weight.device, dtype=experts.gate_up_proj.dtype, **routing)
+        with torch.no_grad():
+            moe.router.weight.copy_(gate.weight)
+            moe.experts_gate_up.weight.copy_(experts.gate_up_proj)
+            moe.experts_down.weight.copy_(experts.down_proj)
+            if deepseek:
+                moe.router.expert_bias.copy_(gate.e_score_correction_bias)
+            if shared is not None:
+                moe.shared_experts.gate_up.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+                moe.shared_experts.down.weight.copy_(shared.down_proj.weight)
+        return moe
 
     def update_expert_bias(self) -> None:
         """Move the router's expert bias toward balance (needs ``expert_bias=True``); no host sync."""
