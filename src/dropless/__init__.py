@@ -1,5 +1,6 @@
 """dropless: fast dropless Mixture-of-Experts training on GPUs, with group sizes on the device."""
 
+from dropless import integrations
 from dropless.backend import get_backend, set_backend
 from dropless.nn import GroupedLinear, MoE, TopKRouter
 from dropless.ops import (
@@ -14,5 +15,5 @@ from dropless.ops import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["GroupedLinear", "MoE", "TopKRouter", "geglu", "get_backend", "grouped_mm", "grouped_mm_wgrad",
+__all__ = ["GroupedLinear", "MoE", "TopKRouter", "geglu", "integrations", "get_backend", "grouped_mm", "grouped_mm_wgrad",
            "permute", "route", "set_backend", "set_validation", "swiglu", "unpermute"]
