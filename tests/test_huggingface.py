@@ -104,3 +104,14 @@ def test_moe_from_hf_rejects_custom_gates():
     block = _model("gpt_oss").model.layers[0].mlp
     with pytest.raises(ValueError, match="GptOss"):
         MoE.from_hf(block)
+
+
+def test_moe_from_hf_rejects_unknown_routers():
+    config = transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, max_position_embeddings=64)
+    block = transformers.AutoModelForCausalLM.from_config(config).model.layers[1].mlp
+    with pytest.raises(ValueError, match="DeepseekV2TopkRouter"):
+        MoE.from_hf(block)

@@ -1,4 +1,5 @@
-"""``python -m dropless.bench gemm | readme``: run the GEMM benchmark, or regenerate the README table."""
+"""``python -m dropless.bench gemm | moe | readme``: run the GEMM benchmark or the whole MoE layer
+benchmark, or regenerate the README tables."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
 from dropless.bench.gemm import FULL_TIMING, QUICK_TIMING, GemmOptions, run_gemm
+from dropless.bench.moe import METHODS as MOE_METHODS
+from dropless.bench.moe import MoEOptions, run_moe
+from dropless.bench.moe_layers import CONFIGS as MOE_CONFIGS
 from dropless.bench.peers import METHODS
 from dropless.bench.plot import plot
 from dropless.bench.problem import PASSES
@@ -46,9 +51,26 @@ def _parser() -> argparse.ArgumentParser:
     gemm.add_argument("--seed", type=int, default=0, help="seed of the skewed routing and the operands")
     gemm.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
 
-    readme = sub.add_parser("readme", help=f"regenerate README.md's table between {START} and {END}")
+    moe = sub.add_parser("moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm "
+                                     "layer and transformers' blocks on the same weights")
+    moe.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
+    moe.add_argument("--name", help="result file stem (default: moe-<device>, moe-quick-<device> with --quick)")
+    moe.add_argument("--configs", nargs="+", help=f"of {[c.name for c in MOE_CONFIGS]} (default: all)")
+    moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: all)")
+    moe.add_argument("--quick", action="store_true",
+                     help="tiny layers and short timing: a smoke run of seconds, on the CPU too")
+    moe.add_argument("--warmup", type=float,
+                     help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
+    moe.add_argument("--rep", type=float,
+                     help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
+    moe.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
+    moe.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
+
+    readme = sub.add_parser("readme", help=f"regenerate README.md's tables between {START} and {END} (GEMM) "
+                                           f"and between {moe_report.MOE_START} and {moe_report.MOE_END} (MoE layer)")
     readme.add_argument("results", nargs="*", type=Path,
-                        help=f"result JSON files (default: {RESULTS}/gemm-*.json, quick runs left out)")
+                        help=f"result JSON files (default: {RESULTS}/gemm-*.json and {RESULTS}/moe-*.json, "
+                             "quick runs left out)")
     readme.add_argument("--readme", type=Path, default=Path("README.md"),
                         help="README to update (default: %(default)s)")
     return parser
@@ -76,8 +98,28 @@ def _gemm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _moe(args: argparse.Namespace) -> int:
+    warmup, rep = QUICK_TIMING if args.quick else FULL_TIMING
+    opts = MoEOptions(configs=_names(args.configs), methods=_names(args.methods) or tuple(MOE_METHODS),
+                      quick=args.quick, seed=args.seed, commit=args.commit,
+                      warmup=warmup if args.warmup is None else args.warmup,
+                      rep=rep if args.rep is None else args.rep)
+    name = args.name or f"moe-{'quick-' if args.quick else ''}{slug(device_name(opts.device))}"
+    try:
+        result = run_moe(opts)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
+    write_json(result, json_path)
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}" if moe_report.plot(result, png_path) else "no plot: matplotlib is not installed")
+    print(moe_report.format_table(result))
+    return 0
+
+
 def _readme(args: argparse.Namespace) -> int:
-    paths = args.results or sorted(RESULTS.glob("gemm-*.json"))
+    paths = args.results or sorted(RESULTS.glob("gemm-*.json")) + sorted(RESULTS.glob("moe-*.json"))
     try:
         results = [(p.name, read_json(p)) for p in paths]
     except (OSError, ValueError) as exc:
@@ -85,22 +127,33 @@ def _readme(args: argparse.Namespace) -> int:
         return 2
     if not args.results:
         results = [(n, r) for n, r in results if not r["meta"].get("quick")]
-    if not results:
+    moe_results = [(n, r) for n, r in results if moe_report.is_moe_result(r)]
+    results = [(n, r) for n, r in results if not moe_report.is_moe_result(r)]
+    if not results and not moe_results:
         print(f"error: no result files given and none in {RESULTS}", file=sys.stderr)
         return 2
-    block = render(results)
-    if update_readme(args.readme, block):
-        print(f"updated the performance table in {args.readme} from {', '.join(n for n, _ in results)}")
-    else:
-        print(block)
-        print(f"\n{args.readme} has no {START} ... {END} markers (or does not exist): "
-              "the table is printed above and no file was changed", file=sys.stderr)
+    if results:
+        block = render(results)
+        if update_readme(args.readme, block):
+            print(f"updated the performance table in {args.readme} from {', '.join(n for n, _ in results)}")
+        else:
+            print(block)
+            print(f"\n{args.readme} has no {START} ... {END} markers (or does not exist): "
+                  "the table is printed above and no file was changed", file=sys.stderr)
+    if moe_results:
+        block = moe_report.render(moe_results)
+        if moe_report.update_readme(args.readme, block):
+            print(f"updated the MoE layer table in {args.readme} from {', '.join(n for n, _ in moe_results)}")
+        elif args.results:  # asked for by name: show it; found by the default search: skip silently
+            print(block)
+            print(f"\n{args.readme} has no {moe_report.MOE_START} ... {moe_report.MOE_END} markers (or does not "
+                  "exist): the MoE table is printed above and no file was changed", file=sys.stderr)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return _gemm(args) if args.command == "gemm" else _readme(args)
+    return {"gemm": _gemm, "moe": _moe, "readme": _readme}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
+# transformers' softmax top-k routers: Mixtral's always renormalizes, Qwen3-MoE's per norm_topk_prob.
+_HF_SOFTMAX_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
 # transformers' activation modules by class name, to the gated activation they make with [gate | up].
 _HF_ACTIVATIONS = {"SiLU": "swiglu", "SiLUActivation": "swiglu", "GELUTanh": "geglu",
                    "PytorchGELUTanh": "geglu", "NewGELUActivation": "geglu", "GELUPytorchTanh": "geglu"}
@@ -137,11 +139,17 @@ class MoE(nn.Module):
             raise ValueError(f"{name}: router biases and gated shared experts are not supported")
         E, d_model = gate.weight.shape
         d_ff = experts.gate_up_proj.shape[1] // 2
-        deepseek = hasattr(gate, "e_score_correction_bias")
+        router = type(gate).__name__
+        deepseek = router == "DeepseekV3TopkRouter"
+        if deepseek:
+            routing = dict(score_func="sigmoid", n_groups=gate.num_group, topk_groups=gate.topk_group,
+                           renormalize=gate.norm_topk_prob, routed_scaling=gate.routed_scaling_factor,
+                           expert_bias=True)
+        elif router in _HF_SOFTMAX_ROUTERS:
+            routing = dict(score_func="softmax", renormalize=getattr(gate, "norm_topk_prob", True))
+        else:
+            raise ValueError(f"{name}: its router {router} is not one MoE.from_hf knows how to reproduce")
         shared = getattr(block, "shared_experts", None)
-        routing = (dict(score_func="sigmoid", n_groups=gate.num_group, topk_groups=gate.topk_group,
-                        renormalize=gate.norm_topk_prob, routed_scaling=gate.routed_scaling_factor, expert_bias=True)
-                   if deepseek else dict(score_func="softmax", renormalize=getattr(gate, "norm_topk_prob", True)))
         moe = cls(d_model, d_ff, E, gate.top_k, aux_loss_coef=0.0, activation=activation,
                   num_shared_experts=1 if shared is not None else 0,
                   shared_d_ff=shared.gate_proj.out_features if shared is not None else None,

@@ -1,0 +1,251 @@
+"""The whole MoE layer benchmark: forward+backward of each method on the same weights and tokens.
+
+For each layer config one ``Weights`` (router, experts, shared experts, ``x``, ``dy``) is drawn and
+every method is built from it, one at a time (a method's copy of the weights is freed before the next
+is built: Mixtral-8x7B's experts are 2.8 GB per bf16 copy). Each method runs once and its output,
+input gradient and all weight gradients (router, experts, shared experts) are checked against an
+fp32 reference; only if it passes is it timed (the dense ceiling is not checked). Timing runs
+``ROUNDS`` rounds over all methods of the config in turn (each round builds the method afresh) and
+keeps each method's median, so a drift of the machine's clocks falls on every method alike. A method
+that raises (including running out of memory, or a block this transformers lacks) gets a row with its
+error, and the run goes on.
+
+The timed step is ``y = layer(x)`` then ``torch.autograd.grad(y, [x, *params], dy)``: forward and the
+full backward, weight gradients written fresh each time (nothing accumulates into ``.grad``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dropless.bench.check import TOLERANCE, rel_err
+from dropless.bench.environment import describe
+from dropless.bench.gemm import FULL_TIMING, QUICK_TIMING, ROUNDS, _describe_error
+from dropless.bench.moe_layers import (Built, LayerConfig, Weights, build_dropless, build_hf, build_torch_grouped_mm,
+                                       make_weights, reference, select_configs)
+from dropless.bench.timing import median_ms
+from dropless.kernels.tuning import tuned_configs
+
+__all__ = ["FULL_TIMING", "QUICK_TIMING", "METHODS", "MoEOptions", "run_moe"]
+
+
+class Dense:
+    """The ceiling: ``y = x @ w``, ``dx = dy @ w^T``, ``dw = x^T @ dy`` with torch.mm on
+    ``LayerConfig.dense_shape``, the same FLOPs as the layer's expert GEMMs."""
+
+    def __init__(self, cfg: LayerConfig, w: Weights) -> None:
+        M, K, N = cfg.dense_shape
+        gen = torch.Generator(device=w.x.device).manual_seed(1)
+        factory = {"generator": gen, "device": w.x.device, "dtype": w.x.dtype}
+        self.x = torch.randn(M, K, **factory)
+        self.w = torch.randn(K, N, **factory).mul_(K ** -0.5)
+        self.dy = torch.randn(M, N, **factory)
+        self.flops = 6 * M * K * N
+
+    def step(self) -> tuple[torch.Tensor, ...]:
+        return torch.mm(self.x, self.w), torch.mm(self.dy, self.w.t()), torch.mm(self.x.t(), self.dy)
+
+
+Builder = Callable[[LayerConfig, Weights], "Built | Dense"]
+METHODS: dict[str, Builder] = {
+    "dense": Dense,
+    "dropless": build_dropless,
+    "torch_grouped_mm": build_torch_grouped_mm,
+    "hf_grouped_mm": lambda cfg, w: build_hf(cfg, w, "grouped_mm"),
+    "hf_eager": lambda cfg, w: build_hf(cfg, w, "eager"),
+    "hf_dropless": lambda cfg, w: build_hf(cfg, w, "dropless"),
+}
+# The results checked against the fp32 reference: output, input gradient, every weight gradient.
+CHECKED = ("y", "dx", "router", "gate_up", "down", "shared_gate_up", "shared_down")
+
+
+@dataclass
+class MoEOptions:
+    """What to run. ``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning)."""
+
+    configs: Sequence[str] | None = None
+    methods: Sequence[str] = tuple(METHODS)
+    quick: bool = False
+    warmup: float = FULL_TIMING[0]
+    rep: float = FULL_TIMING[1]
+    seed: int = 0
+    commit: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"))
+    dtype: torch.dtype | None = None  # default: bf16 on a GPU, fp32 on the CPU
+
+    def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+
+def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:
+    """Run the benchmark; return ``{"meta": {...}, "rows": [...]}``, one row per (config, method)."""
+    configs = select_configs(opts.configs, opts.quick)
+    unknown = [m for m in opts.methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    meta = {"benchmark": "moe", **describe(opts.device, opts.dtype, opts.commit)}
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        meta["transformers"] = None
+    meta.update(
+        warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=ROUNDS, seed=opts.seed, quick=opts.quick,
+        step="y = layer(x); torch.autograd.grad(y, [x, *params], dy): forward and full backward",
+        flops="3 * T * k * 6 * d * d_ff (expert GEMMs: gate+up and down, fwd + dgrad + wgrad) "
+              "+ 3 * T * 6 * d * shared_d_ff (shared experts); the router GEMM is not counted",
+        dense="torch.mm fwd+bwd (y = x @ w, dx = dy @ w^T, dw = x^T @ dy) of [M, d] @ [d, 3*d_ff], "
+              "M = T*k + T*shared_d_ff/d_ff: the layer's useful FLOPs as one dense GEMM, timed in the "
+              "same rounds; fraction_of_dense = tflops / that GEMM's tflops",
+        dense_shapes={c.name: list(c.dense_shape) for c in configs},
+        peak_gib="torch.cuda.max_memory_allocated() during one step minus memory_allocated() before it "
+                 "(peak stats reset first; weights, x and dy not counted, weight gradients counted); "
+                 "null on the CPU",
+        max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference layer (host loop over experts), "
+                    f"largest over {list(CHECKED)} (weight gradients in the layouts of dropless.MoE); "
+                    "rel_errs has each",
+        tolerance=TOLERANCE[opts.dtype],
+        routing="random router weights, softmax in fp32 in every method from the same bf16 weights and "
+                "input, so every method picks the same experts",
+        hf_router="transformers' Mixtral and Qwen3-MoE routers run on fp32 inputs and weights (wrapped; "
+                  "transformers computes their logits in the model dtype), giving their top-k weights "
+                  "back in the dtype transformers does (Mixtral fp32, Qwen3-MoE the model's); "
+                  "DeepSeek-V2's router is transformers' own (fp32 already)",
+        configs={c.name: {"label": c.label, "T": c.T, "E": c.E, "k": c.k, "d": c.d, "d_ff": c.d_ff,
+                          "shared_d_ff": c.shared_d_ff, "renormalize": c.renormalize} for c in configs},
+    )
+    rows = []
+    started = time.perf_counter()
+    for cfg in configs:
+        tic = time.perf_counter()
+        rows += _run_config(cfg, opts, log)
+        log(f"{cfg.name}: {time.perf_counter() - tic:.1f} s")
+    dense = {r["config"]: r["tflops"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        if r["tflops"] is not None and dense.get(r["config"]):
+            r["fraction_of_dense"] = r["tflops"] / dense[r["config"]]
+    meta["tuned_configs"] = tuned_configs()
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    return {"meta": meta, "rows": rows}
+
+
+def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) -> list[dict]:
+    """All rows of one config: shared weights, the fp32 reference, then rounds of build-check-time."""
+    base = {"config": cfg.name, "T": cfg.T, "E": cfg.E, "k": cfg.k, "d": cfg.d, "d_ff": cfg.d_ff,
+            "shared_d_ff": cfg.shared_d_ff}
+    rows = {m: {**base, "method": m, "ms": None, "tflops": None, "fraction_of_dense": None, "peak_gib": None,
+                "max_rel_err": None, "rel_errs": None, "failed": False, "error": None} for m in opts.methods}
+    samples: dict[str, list[float]] = {m: [] for m in opts.methods}
+    weights = make_weights(cfg, opts.dtype, opts.device, opts.seed)
+    ref = reference(cfg, weights)
+    _release(opts.device)
+    x = weights.x.detach().requires_grad_()
+    for round_ in range(ROUNDS):
+        for method in opts.methods:
+            row = rows[method]
+            if row["failed"]:
+                continue
+            built = None
+            try:
+                built = METHODS[method](cfg, weights)
+                step = _step(built, x, weights.dy)
+                if round_ == 0:
+                    if not _check(step, built, ref, opts, row):
+                        log(f"{cfg.name} {method}: failed the check ({row['error'] or row['max_rel_err']})")
+                        continue
+                    row["peak_gib"] = _peak_gib(step, opts.device)
+                samples[method].append(median_ms(step, opts.device, opts.warmup, opts.rep))
+            except Exception as exc:  # recorded as the row's error; the benchmark goes on
+                row["failed"] = True
+                row["error"] = _describe_error(exc)
+                log(f"{cfg.name} {method}: {row['error']}")
+            finally:
+                del built
+                step = None
+                _release(opts.device)
+    flops = {m: cfg.useful_flops for m in opts.methods}
+    if "dense" in rows:
+        M, K, N = cfg.dense_shape
+        flops["dense"] = 6 * M * K * N
+    for method, row in rows.items():
+        if not row["failed"] and samples[method]:
+            row["ms"] = statistics.median(samples[method])
+            row["tflops"] = flops[method] / row["ms"] / 1e9
+    del weights, ref, x
+    _release(opts.device)
+    return list(rows.values())
+
+
+def _step(built: Built | Dense, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], tuple]:
+    """The timed work: forward and backward, returning ``(y, dx, *weight grads)``."""
+    if isinstance(built, Dense):
+        return built.step
+    inputs = [x, *built.leaves]
+
+    def step() -> tuple:
+        y = built.forward(x)
+        # autograd.grad, not backward: nothing accumulates into .grad between repetitions.
+        return (y, *torch.autograd.grad(y, inputs, dy, allow_unused=True))
+
+    return step
+
+
+def _check(step: Callable[[], tuple], built: Built | Dense, ref: dict[str, torch.Tensor], opts: MoEOptions,
+           row: dict) -> bool:
+    """Run ``step`` once against the reference; sets ``max_rel_err``, ``rel_errs`` and, if off by more
+    than the tolerance (NaN included) or missing a gradient, ``failed``. The dense GEMM is not checked."""
+    if isinstance(built, Dense):
+        return True
+    y, dx, *grads = step()
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if dx is None or missing:
+        row["failed"] = True
+        row["error"] = "no gradient for x" if dx is None else f"no gradient for parameters {missing}"
+        return False
+    results = {"y": y, "dx": dx, **built.canonical(grads)}
+    errs = {name: rel_err(out, ref[name]) for name, out in results.items()}
+    del y, dx, grads, results
+    row["rel_errs"] = {n: (e if math.isfinite(e) else None) for n, e in errs.items()}
+    checked = [errs[n] for n in CHECKED if n in errs]
+    err = math.nan if any(math.isnan(e) for e in checked) else max(checked)
+    row["max_rel_err"] = err if math.isfinite(err) else None
+    if not err <= TOLERANCE[opts.dtype]:
+        row["failed"] = True
+        row["error"] = None if math.isfinite(err) else "non-finite result"
+        return False
+    return True
+
+
+def _peak_gib(step: Callable[[], tuple], device: torch.device) -> float | None:
+    """GiB allocated at the peak of one step above what was allocated before it; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return peak / 2**30
+
+
+def _release(device: torch.device) -> None:
+    """Free what the last method held (its weights, gradients and cached blocks) before the next.
+
+    A full collection (in case a reference cycle holds a layer) takes ~0.2 s with transformers
+    imported: on the GPU only, where the memory matters."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -1,0 +1,134 @@
+"""The MoE layer benchmark's results for people: the stdout table, the PNG and the README block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dropless.bench.report import headline, unique
+
+MOE_START = "<!-- moe-table:start -->"
+MOE_END = "<!-- moe-table:end -->"
+LABELS = {"dense": "dense mm", "dropless": "dropless.MoE", "torch_grouped_mm": "torch._grouped_mm layer",
+          "hf_grouped_mm": "transformers grouped_mm", "hf_eager": "transformers eager",
+          "hf_dropless": "transformers + dropless"}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _tflops(row: dict) -> str:
+    if row["tflops"] is None:
+        return "ERR" if row["error"] else ("FAIL" if row["failed"] else "-")
+    return f"{row['tflops']:.0f}" if row["tflops"] >= 10 else f"{row['tflops']:.3g}"
+
+
+def _speedup(row: dict, rows: Sequence[dict]) -> float | None:
+    """How many times faster dropless.MoE ran than ``row``'s method on the same config."""
+    dl = next((r for r in rows if r["config"] == row["config"] and r["method"] == "dropless"), None)
+    if dl is None or dl["ms"] is None or row["ms"] is None or row["method"] == "dense":
+        return None
+    return row["ms"] / dl["ms"]
+
+
+def config_label(result: dict, row: dict) -> str:
+    info = result["meta"].get("configs", {}).get(row["config"], {})
+    shared = f", shared {row['shared_d_ff']}" if row["shared_d_ff"] else ""
+    return (f"{info.get('label', row['config'])} (T={row['T']}, E={row['E']}, k={row['k']}, d={row['d']}, "
+            f"d_ff={row['d_ff']}{shared})")
+
+
+def format_table(result: dict) -> str:
+    """One line per config and method: ms, TFLOP/s, fraction of dense, peak GiB, error, and how many
+    times faster dropless.MoE was."""
+    rows = result["rows"]
+    head = (f"{'config':<10}{'method':<18}{'ms':>10}{'TFLOP/s':>9}{'of dense':>9}{'peak GiB':>10}"
+            f"{'max_rel_err':>12}{'dl speedup':>11}  status")
+    lines = [f"MoE layer fwd+bwd, useful GEMM TFLOP/s: {headline(result['meta'])}",
+             "FAIL = result off the reference, ERR = raised; dl speedup = this method's ms / dropless's", head]
+    for config in unique(rows, "config"):
+        for r in (r for r in rows if r["config"] == config):
+            status = "ok" if not r["failed"] else (r["error"] or f"FAIL (err {_fmt(r['max_rel_err'], '.2e')})")
+            lines.append(f"{config:<10}{r['method']:<18}{_fmt(r['ms'], '.3f'):>10}{_tflops(r):>9}"
+                         f"{_fmt(r['fraction_of_dense'], '.2f'):>9}{_fmt(r['peak_gib'], '.2f'):>10}"
+                         f"{_fmt(r['max_rel_err'], '.1e'):>12}{_fmt(_speedup(r, rows), '.2f'):>11}  {status[:70]}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    """A PNG: TFLOP/s per config, one bar per method, each labelled with its fraction of dense; a
+    missing bar is a failed or raised method. False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    configs, methods = unique(rows, "config"), unique(rows, "method")
+    at = {(r["config"], r["method"]): r for r in rows}
+    width = 0.84 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(8.0, 3.0 * len(configs) + 2), 4.2), layout="constrained")
+    for j, method in enumerate(methods):
+        xs, heights, labels = [], [], []
+        for i, config in enumerate(configs):
+            row = at.get((config, method))
+            if row is not None and row["tflops"] is not None:
+                xs.append(i + (j - (len(methods) - 1) / 2) * width)
+                heights.append(row["tflops"])
+                labels.append(_fmt(row["fraction_of_dense"], ".2f"))
+        bars = ax.bar(xs, heights, width, color=f"C{j}", label=LABELS.get(method, method))
+        ax.bar_label(bars, labels, fontsize=6, padding=1)
+    ax.set_ylabel("TFLOP/s (useful GEMM FLOPs, fwd+bwd)")
+    ax.set_xticks(range(len(configs)), configs)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=3, loc="upper right")
+    fig.suptitle(f"MoE layer forward+backward, bar labels: fraction of dense\n{headline(result['meta'])}",
+                 fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def render_table(result: dict, source: str) -> str:
+    """Markdown: a line naming the run, then one row per config and method."""
+    rows = result["rows"]
+    lines = [f"Measured on {headline(result['meta'])} (`{source}`). Whole MoE layer (router included), forward "
+             "and backward on the same weights and tokens; TFLOP/s of the useful expert-GEMM FLOPs "
+             "(`3 * T * k * 6 * d * d_ff`, plus the shared experts'); \"of dense\" over a torch.mm of the same "
+             "FLOPs timed in the same run; speedup = that method's time over dropless.MoE's.", "",
+             "| layer | method | ms | TFLOP/s | of dense | peak GiB | dropless speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for config in unique(rows, "config"):
+        for n, r in enumerate(r for r in rows if r["config"] == config and r["method"] != "dense"):
+            label = config_label(result, r) if n == 0 else ""
+            lines.append(f"| {label} | {LABELS.get(r['method'], r['method'])} | {_fmt(r['ms'], '.1f')} | "
+                         f"{_tflops(r)} | {_fmt(r['fraction_of_dense'], '.2f')} | {_fmt(r['peak_gib'], '.1f')} | "
+                         f"{_fmt(_speedup(r, rows), '.2f')} |")
+    return "\n".join(lines)
+
+
+def render(results: Sequence[tuple[str, dict]]) -> str:
+    """The README block for several ``(source name, result)`` pairs, one table each."""
+    return "\n\n".join(render_table(result, source) for source, result in results)
+
+
+def is_moe_result(result: dict) -> bool:
+    """True for a result file of this benchmark (its rows are by config, not by GEMM shape)."""
+    return bool(result["rows"]) and "config" in result["rows"][0] or result["meta"].get("benchmark") == "moe"
+
+
+def update_readme(path: Path, block: str) -> bool:
+    """Write ``block`` between ``MOE_START`` and ``MOE_END`` of the README at ``path``; False (and
+    nothing written) if it has no such markers in order."""
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    start, end = text.find(MOE_START), text.find(MOE_END)
+    if start < 0 or end < start:
+        return False
+    path.write_text(f"{text[:start + len(MOE_START)]}\n{block}\n{text[end:]}")
+    return True
