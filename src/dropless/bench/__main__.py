@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
-from dropless.bench.gemm import FULL_TIMING, QUICK_TIMING, GemmOptions, run_gemm
+from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.moe import METHODS as MOE_METHODS
 from dropless.bench.moe import MoEOptions, run_moe
 from dropless.bench.moe_layers import CONFIGS as MOE_CONFIGS
+from dropless.bench.options import FULL_TIMING, QUICK_TIMING, RunOptions
 from dropless.bench.peers import METHODS
 from dropless.bench.plot import plot
 from dropless.bench.problem import PASSES
@@ -31,40 +32,37 @@ def _names(values: Sequence[str] | None) -> list[str] | None:
     return [v for value in values for v in value.split(",") if v]
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser, kind: str, tiny: str) -> argparse.ArgumentParser:
+    """The arguments every benchmark run takes: output, timing, seed, commit."""
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
+    parser.add_argument("--name", help=f"result file stem (default: {kind}-<device>, {kind}-quick-<device> with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{tiny} and short timing: a smoke run of seconds, on the CPU too")
+    parser.add_argument("--warmup", type=float,
+                        help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
+    parser.add_argument("--rep", type=float,
+                        help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing, the weights and the operands")
+    parser.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dropless.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gemm = sub.add_parser("gemm", help="time the grouped GEMM against its peers on the same inputs")
-    gemm.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
-    gemm.add_argument("--name", help="result file stem (default: gemm-<device>, gemm-quick-<device> with --quick)")
+    gemm = _add_run_arguments(sub.add_parser(
+        "gemm", help="time the grouped GEMM against its peers on the same inputs"), "gemm", "tiny shapes")
     gemm.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
     gemm.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
     gemm.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
     gemm.add_argument("--methods", nargs="+", help=f"of {list(METHODS)} (default: all)")
-    gemm.add_argument("--quick", action="store_true",
-                      help="tiny shapes and short timing: a smoke run of seconds, on the CPU too")
-    gemm.add_argument("--warmup", type=float,
-                      help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
-    gemm.add_argument("--rep", type=float,
-                      help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
-    gemm.add_argument("--seed", type=int, default=0, help="seed of the skewed routing and the operands")
-    gemm.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
 
-    moe = sub.add_parser("moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm "
-                                     "layer and transformers' blocks on the same weights")
-    moe.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
-    moe.add_argument("--name", help="result file stem (default: moe-<device>, moe-quick-<device> with --quick)")
+    moe = _add_run_arguments(sub.add_parser(
+        "moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm layer and "
+                    "transformers' blocks on the same weights"), "moe", "tiny layers")
     moe.add_argument("--configs", nargs="+", help=f"of {[c.name for c in MOE_CONFIGS]} (default: all)")
     moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: all)")
-    moe.add_argument("--quick", action="store_true",
-                     help="tiny layers and short timing: a smoke run of seconds, on the CPU too")
-    moe.add_argument("--warmup", type=float,
-                     help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
-    moe.add_argument("--rep", type=float,
-                     help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
-    moe.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
-    moe.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
 
     readme = sub.add_parser("readme", help=f"regenerate README.md's tables between {START} and {END} (GEMM) "
                                            f"and between {moe_report.MOE_START} and {moe_report.MOE_END} (MoE layer)")
@@ -76,46 +74,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gemm(args: argparse.Namespace) -> int:
+def _run_options(args: argparse.Namespace) -> dict:
+    """The ``RunOptions`` fields from the command line; quick runs default to short timing."""
     warmup, rep = QUICK_TIMING if args.quick else FULL_TIMING
-    opts = GemmOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
-                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(METHODS),
-                       quick=args.quick, seed=args.seed, commit=args.commit,
-                       warmup=warmup if args.warmup is None else args.warmup,
-                       rep=rep if args.rep is None else args.rep)
-    name = args.name or f"gemm-{'quick-' if args.quick else ''}{slug(device_name(opts.device))}"
+    return dict(quick=args.quick, seed=args.seed, commit=args.commit,
+                warmup=warmup if args.warmup is None else args.warmup, rep=rep if args.rep is None else args.rep)
+
+
+def _run(args: argparse.Namespace, kind: str, run: Callable[[], dict], opts: RunOptions,
+         plot_result: Callable[[dict, Path], bool], report: Callable[[dict], list[str]]) -> int:
+    """Run a benchmark, write its JSON and PNG, print its report last."""
+    name = args.name or f"{kind}-{'quick-' if args.quick else ''}{slug(device_name(opts.device))}"
     try:
-        result = run_gemm(opts)
+        result = run()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
     write_json(result, json_path)
     print(f"wrote {json_path}")
-    print(f"wrote {png_path}" if plot(result, png_path) else "no plot: matplotlib is not installed")
-    print(format_summary(result["rows"]))
-    print(format_table(result))
+    print(f"wrote {png_path}" if plot_result(result, png_path) else "no plot: matplotlib is not installed")
+    for text in report(result):
+        print(text)
     return 0
+
+
+def _gemm(args: argparse.Namespace) -> int:
+    opts = GemmOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(METHODS),
+                       **_run_options(args))
+    return _run(args, "gemm", lambda: run_gemm(opts), opts, plot,
+                lambda result: [format_summary(result["rows"]), format_table(result)])
 
 
 def _moe(args: argparse.Namespace) -> int:
-    warmup, rep = QUICK_TIMING if args.quick else FULL_TIMING
     opts = MoEOptions(configs=_names(args.configs), methods=_names(args.methods) or tuple(MOE_METHODS),
-                      quick=args.quick, seed=args.seed, commit=args.commit,
-                      warmup=warmup if args.warmup is None else args.warmup,
-                      rep=rep if args.rep is None else args.rep)
-    name = args.name or f"moe-{'quick-' if args.quick else ''}{slug(device_name(opts.device))}"
-    try:
-        result = run_moe(opts)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
-    write_json(result, json_path)
-    print(f"wrote {json_path}")
-    print(f"wrote {png_path}" if moe_report.plot(result, png_path) else "no plot: matplotlib is not installed")
-    print(moe_report.format_table(result))
-    return 0
+                      **_run_options(args))
+    return _run(args, "moe", lambda: run_moe(opts), opts, moe_report.plot,
+                lambda result: [moe_report.format_table(result)])
 
 
 def _readme(args: argparse.Namespace) -> int:

@@ -12,10 +12,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from dropless.bench.options import RunOptions
 from dropless.bench.check import TOLERANCE, References, max_rel_err
 from dropless.bench.environment import describe
 from dropless.bench.peers import METHODS, Case, Method
@@ -25,31 +26,21 @@ from dropless.bench.shapes import Shape, select_shapes
 from dropless.bench.timing import median_ms
 from dropless.kernels.tuning import tuned_configs
 
-FULL_TIMING = (25.0, 100.0)  # do_bench warm-up and repetition, ms: the full set runs in minutes
-QUICK_TIMING = (2.0, 10.0)
 ROUNDS = 3  # timing rounds over all cases of a shape; each case reports its median
 
 
 @dataclass
-class GemmOptions:
-    """What to run. ``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning)."""
+class GemmOptions(RunOptions):
+    """Which shapes, routings, passes and methods to run, and how (see ``RunOptions``)."""
 
     shapes: Sequence[str] | None = None
     routings: Sequence[str] = ROUTINGS
     passes: Sequence[str] = PASSES
     methods: Sequence[str] = tuple(METHODS)
-    quick: bool = False
-    warmup: float = FULL_TIMING[0]
-    rep: float = FULL_TIMING[1]
-    seed: int = 0
-    commit: str | None = None
-    device: torch.device = field(default_factory=lambda: torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu"))
 
     @property
     def dtype(self) -> torch.dtype:
-        """bf16 on a GPU; fp32 on the CPU, whose bf16 matmul is too slow even for smoke runs."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return self.default_dtype()
 
 
 def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:

@@ -22,19 +22,20 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dropless.bench.check import TOLERANCE, rel_err
 from dropless.bench.environment import describe
-from dropless.bench.gemm import FULL_TIMING, QUICK_TIMING, ROUNDS, _describe_error
+from dropless.bench.gemm import ROUNDS, _describe_error
+from dropless.bench.options import RunOptions
 from dropless.bench.moe_layers import (Built, LayerConfig, Weights, build_dropless, build_hf, build_torch_grouped_mm,
                                        make_weights, reference, select_configs)
 from dropless.bench.timing import median_ms
 from dropless.kernels.tuning import tuned_configs
 
-__all__ = ["FULL_TIMING", "QUICK_TIMING", "METHODS", "MoEOptions", "run_moe"]
+__all__ = ["METHODS", "MoEOptions", "run_moe"]
 
 
 class Dense:
@@ -68,23 +69,16 @@ CHECKED = ("y", "dx", "router", "gate_up", "down", "shared_gate_up", "shared_dow
 
 
 @dataclass
-class MoEOptions:
-    """What to run. ``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning)."""
+class MoEOptions(RunOptions):
+    """Which layer configs and methods to run, and how (see ``RunOptions``)."""
 
     configs: Sequence[str] | None = None
     methods: Sequence[str] = tuple(METHODS)
-    quick: bool = False
-    warmup: float = FULL_TIMING[0]
-    rep: float = FULL_TIMING[1]
-    seed: int = 0
-    commit: str | None = None
-    device: torch.device = field(default_factory=lambda: torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu"))
     dtype: torch.dtype | None = None  # default: bf16 on a GPU, fp32 on the CPU
 
     def __post_init__(self) -> None:
         if self.dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            self.dtype = self.default_dtype()
 
 
 def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:

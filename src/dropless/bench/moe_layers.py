@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dropless.bench.options import select_by_name
+
 
 @dataclass(frozen=True)
 class LayerConfig:
@@ -71,14 +73,7 @@ QUICK_CONFIGS = (
 
 def select_configs(names: Sequence[str] | None, quick: bool) -> list[LayerConfig]:
     """The configs named (all when ``names`` is None), from the quick set if ``quick``."""
-    pool = QUICK_CONFIGS if quick else CONFIGS
-    if names is None:
-        return list(pool)
-    by_name = {c.name: c for c in pool}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown config(s) {unknown}; choose from {list(by_name)}")
-    return [by_name[n] for n in names]
+    return select_by_name(names, CONFIGS, QUICK_CONFIGS, quick, "config")
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dropless.bench.options import select_by_name
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -37,11 +39,4 @@ QUICK_SHAPES = (
 
 def select_shapes(names: Sequence[str] | None, quick: bool) -> list[Shape]:
     """The shapes named (all of the set when ``names`` is None), from the quick set if ``quick``."""
-    pool = QUICK_SHAPES if quick else SHAPES
-    if names is None:
-        return list(pool)
-    by_name = {s.name: s for s in pool}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown shape(s) {unknown}; choose from {list(by_name)}")
-    return [by_name[n] for n in names]
+    return select_by_name(names, SHAPES, QUICK_SHAPES, quick, "shape")

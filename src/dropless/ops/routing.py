@@ -2,7 +2,7 @@
 
 Everything here is a device-side tensor computation: scores, the (optionally group-limited) top-k
 selection, the renormalized weights, the auxiliary losses and the per-expert token counts (counted by
-a scatter-add, not ``torch.bincount``, which syncs).
+a scatter-add: the bincount op would sync with the host).
 """
 
 from __future__ import annotations
