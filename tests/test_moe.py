@@ -169,6 +169,7 @@ def test_moe_cuda_graph_replays_new_routing():
     with torch.cuda.graph(graph):
         static_y = moe(static_x)
         static_y.float().square().mean().backward()
+    static_counts = moe.tokens_per_expert  # the graph's output; an eager forward rebinds the attribute
     for seed in (1, 2):
         torch.manual_seed(seed)
         fresh = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) * (1 + seed)
@@ -177,7 +178,7 @@ def test_moe_cuda_graph_replays_new_routing():
         moe.zero_grad(set_to_none=False)
         static_x.grad.zero_()
         graph.replay()
-        counts = moe.tokens_per_expert.clone()
+        counts = static_counts.clone()
         x = fresh.clone().requires_grad_()
         moe.zero_grad(set_to_none=False)
         y = moe(x)

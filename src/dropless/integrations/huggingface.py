@@ -47,7 +47,7 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     h = _project(experts, up_name, x_sorted, offsets)
     h = _gate(experts, h) if experts.has_gate else experts.act_fn(h)
     out = _project(experts, "down_proj", h, offsets)
-    if experts.has_post_expert_norm:
+    if getattr(experts, "has_post_expert_norm", False):  # absent in older transformers 5.x
         out = experts.post_expert_norm(out)
     return unpermute(out, sorted_to_token_slot, top_k_weights, offsets).to(hidden_states.dtype)
 

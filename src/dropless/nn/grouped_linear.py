@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dropless.ops.autocast import autocast_operands
 from dropless.ops.group_bias import add_group_bias
 from dropless.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 
@@ -97,17 +98,18 @@ class GroupedLinear(nn.Module):
                 tensor on x's device: experts marked True add their gradient into ``main_grad``,
                 the others overwrite it (the first micro-batch of a step). Default: all add.
         Returns:
-            ``[M, out_features]`` in x's dtype.
+            ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
         offsets = self._offsets(group_sizes, x.device)
+        x, weight = autocast_operands(x, self.weight)
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad:
             accumulate = (wgrad_accumulation_mask if wgrad_accumulation_mask is not None
                           else torch.ones(self.num_experts, dtype=torch.bool, device=x.device))
-            y = _FusedWgradGroupedLinear.apply(x, self.weight, offsets, self.weight.main_grad, accumulate)
+            y = _FusedWgradGroupedLinear.apply(x, weight, offsets, self.weight.main_grad, accumulate)
         else:
             if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
                 raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
-            y = grouped_mm(x, self.weight.transpose(1, 2), offsets)
+            y = grouped_mm(x, weight.transpose(1, 2), offsets)
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offsets)
         return y

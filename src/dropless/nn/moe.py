@@ -129,7 +129,7 @@ class MoE(nn.Module):
             raise ValueError(f"{name}: expected a sparse-MoE block with a `gate` router and fused `experts`")
         custom_gate = getattr(type(experts)._apply_gate, "__name__", "") != "_default_apply_gate"
         if (not experts.has_gate or experts.has_bias or experts.is_transposed or not experts.is_concatenated
-                or experts.has_post_expert_norm or custom_gate):
+                or getattr(experts, "has_post_expert_norm", False) or custom_gate):
             raise ValueError(f"{name}: only gated experts with concatenated [gate | up] weights in nn.Linear "
                              "layout, no bias, no custom gate and no post-expert norm can become a MoE")
         activation = _HF_ACTIVATIONS.get(type(experts.act_fn).__name__)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dropless.ops.router_logits import router_logits
 from dropless.ops.routing import Routing, route
 
 
@@ -47,8 +47,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """Route ``x [T, d_model]``; returns weights ``[T, k]`` (fp32), expert ids ``[T, k]``, the
         per-expert counts and the unscaled auxiliary and z losses."""
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = F.linear(x.to(compute), self.weight.to(compute))
+        logits = router_logits(x, self.weight)
         routing = route(logits, self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                         n_groups=self.n_groups, topk_groups=self.topk_groups,
                         expert_bias=self.expert_bias, scale=self.scale)

@@ -12,6 +12,7 @@ from dropless import reference
 from dropless.backend import use_triton
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
+from dropless.ops.autocast import autocast_operands
 from dropless.ops.checks import (
     REFERENCE_DTYPES,
     TRITON_DTYPES,
@@ -135,6 +136,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
             in ``torch._grouped_mm``); or give ``group_sizes [E]`` instead.
     Returns:
         ``y [M, N]`` in x's dtype. Rows past ``offsets[-1]`` are zero. Differentiable in x and w.
+        Under ``torch.autocast`` x and w are first cast to its dtype, as ``nn.Linear``'s operands are.
 
     No host sync on the Triton backend: the kernel derives its tiles from ``offsets`` on the device,
     so the call can be captured in a CUDA graph.
@@ -143,6 +145,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
         if offsets is not None:
             raise ValueError("pass offsets or its alias offs, not both")
         offsets = offs
+    x, w = autocast_operands(x, w)
     _check_operands(x, "w", w, 3)
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(w.shape)}")
