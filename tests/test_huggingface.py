@@ -34,9 +34,9 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
 CONFIGS = _configs()
 
 
-def _model(name: str) -> torch.nn.Module:
+def _model(name: str, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).float()
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]).float().to(device)
     with torch.no_grad():  # random, not the near-zero init, so every expert matters
         for p in model.parameters():
             p.normal_(0, 0.2)
@@ -53,9 +53,10 @@ def _run(model, ids, implementation):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_models_match_eager(backend, name):
+    _, device = backend
     register_transformers()
-    model = _model(name)
-    ids = torch.randint(0, VOCAB, (2, 7))
+    model = _model(name, device)
+    ids = torch.randint(0, VOCAB, (2, 7), device=device)
     ref_logits, ref_grads = _run(model, ids, "eager")
     logits, grads = _run(model, ids, "dropless")
     tol = REL_TOL[torch.float32]
@@ -66,29 +67,31 @@ def test_models_match_eager(backend, name):
 
 
 def test_sentinel_expert_ids_contribute_nothing(backend):
-    model = _model("mixtral")
+    _, device = backend
+    model = _model("mixtral", device)
     experts = model.model.layers[0].mlp.experts
     E = experts.num_experts
-    x = torch.randn(6, 32)
-    ids = torch.tensor([[0, E], [1, 2], [E + 3, 3], [2, 0], [E, E], [3, 1]])
-    weights = torch.rand(6, 2)
+    x = torch.randn(6, 32, device=device)
+    ids = torch.tensor([[0, E], [1, 2], [E + 3, 3], [2, 0], [E, E], [3, 1]], device=device)
+    weights = torch.rand(6, 2, device=device)
     y = experts_forward(experts, x, ids, weights)
     valid = ids < E
     expected = experts_forward(experts, x, torch.where(valid, ids, 0), torch.where(valid, weights, 0.0))
     torch.testing.assert_close(y, expected)
-    assert torch.equal(y[4], torch.zeros(32))
+    assert torch.equal(y[4], torch.zeros(32, device=device))
 
 
 @pytest.mark.parametrize("name,layer", [("mixtral", 0), ("qwen3_moe", 1), ("deepseek_v3", 1)])
 def test_moe_from_hf_block(backend, name, layer):
-    model = _model(name)
+    _, device = backend
+    model = _model(name, device)
     model.set_experts_implementation("eager")
     block = model.model.layers[layer].mlp
     with torch.no_grad():
         if hasattr(block.gate, "e_score_correction_bias"):
             block.gate.e_score_correction_bias.normal_(0, 0.1)
     moe = MoE.from_hf(block)
-    x = torch.randn(2, 5, 32, requires_grad=True)
+    x = torch.randn(2, 5, 32, device=device, requires_grad=True)
     ref = block(x)
     ref.square().mean().backward()
     ref_grad = x.grad.clone()
@@ -101,7 +104,7 @@ def test_moe_from_hf_block(backend, name, layer):
 
 
 def test_moe_from_hf_rejects_custom_gates():
-    block = _model("gpt_oss").model.layers[0].mlp
+    block = _model("gpt_oss", torch.device("cpu")).model.layers[0].mlp
     with pytest.raises(ValueError, match="GptOss"):
         MoE.from_hf(block)
 
