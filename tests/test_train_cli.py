@@ -1,0 +1,100 @@
+"""The dropless command: help, a short run and sampling from its checkpoint, its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_train import random_text
+
+from dropless.cli import main
+from dropless.train.presets import PRESETS
+
+
+def test_module_help_lists_the_commands():
+    result = subprocess.run([sys.executable, "-m", "dropless", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "train" in result.stdout and "generate" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "generate"])
+def test_command_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: dropless {command}")
+    if command == "train":
+        assert all(name in out for name in PRESETS) and "torchrun" in out
+
+
+def test_importing_dropless_leaves_the_trainer_out():
+    code = ("import sys, dropless; print(sorted(m for m in ('matplotlib', 'safetensors', 'dropless.train', "
+            "'dropless.cli') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_train_then_generate(tmp_path, capsys):
+    text = random_text(tmp_path / "text.txt", 200)
+    out = tmp_path / "run"
+    status = main(["train", "--data", str(text), "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                   "--out", str(out), "--device", "cpu"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "preset tiny" in printed and "trained tiny to step 3" in printed
+    for name in ("checkpoint.safetensors", "loss.png", "expert-load.png", "summary.json"):
+        assert f"wrote {out / name}" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mfu"] is None and summary["data"] == str(text)
+    assert main(["generate", str(out / "checkpoint.safetensors"), "--prompt", "router", "--tokens", "25",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    generated = capsys.readouterr().out
+    assert generated.startswith("router")
+
+
+def test_missing_data_file(tmp_path, capsys):
+    missing = tmp_path / "nothing.txt"
+    assert main(["train", "--data", str(missing), "--device", "cpu", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"--data {missing}: no such file" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_text_too_short(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("expert " * 10)
+    assert main(["train", "--data", str(text), "--seq-len", "64", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "too short for --seq-len 64" in capsys.readouterr().err
+
+
+def test_generate_from_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "checkpoint.safetensors"), "--device", "cpu"]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_generate_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
+    not_a_checkpoint = random_text(tmp_path / "checkpoint.safetensors", 20)
+    assert main(["generate", str(not_a_checkpoint), "--device", "cpu"]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_resume_with_another_preset_names_the_fields(tmp_path, capsys):
+    text = random_text(tmp_path / "text.txt", 200)
+    common = ["--data", str(text), "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path / "run"),
+              "--device", "cpu"]
+    assert main(["train", *common]) == 0
+    capsys.readouterr()
+    assert main(["train", *common, "--preset", "small", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "d_model: 128 (checkpoint) != 512 (this run)" in err and "n_layers" in err
+
+
+def test_rejects_a_step_count_below_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--steps", "0"])
+    assert exit_info.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
