@@ -119,11 +119,14 @@ class BatchSampler:
         self._window = torch.arange(seq_len + 1, device=device)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``inputs, targets``: int64 ``[batch_size, seq_len]`` on the device, targets shifted by one token."""
+        """``inputs, targets``: int64 ``[batch_size, seq_len]`` on the device, targets shifted by one token.
+        No host sync."""
         starts = torch.randint(0, self.tokens.numel() - self.seq_len, (self.world_size * self.batch_size,),
                                generator=self.generator)
         mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        windows = self.tokens[mine.to(self._window.device)[:, None] + self._window].long()
+        if self._window.is_cuda:  # a copy from pinned memory does not wait for the GPU to catch up
+            mine = mine.pin_memory().to(self._window.device, non_blocking=True)
+        windows = self.tokens[mine[:, None] + self._window].long()
         return windows[:, :-1], windows[:, 1:]
 
     def get_state(self) -> torch.Tensor:

@@ -220,8 +220,11 @@ class Trainer:
             self.save()
         return self._finish(session, time.perf_counter() - started)
 
+    def _last_held_out_loss(self) -> float | None:
+        return next((h["held_out_loss"] for h in reversed(self.history) if "held_out_loss" in h), None)
+
     def _postfix(self, entry: dict) -> str:
-        held_out = next((h["held_out_loss"] for h in reversed(self.history) if "held_out_loss" in h), None)
+        held_out = self._last_held_out_loss()
         return (f"loss {entry['loss']:.3f}" + (f" | held-out {held_out:.3f}" if held_out is not None else "")
                 + f" | {entry['tokens_per_s'] / 1e3:.1f}k tok/s | load max/mean {entry['load_balance']:.2f}")
 
@@ -243,7 +246,6 @@ class Trainer:
         steady = session[1:] or session or self.history[-1:]
         tokens_per_s = sum(h["tokens"] for h in steady) / sum(h["seconds"] for h in steady)
         last = self.history[-1]
-        held_out = next((h["held_out_loss"] for h in reversed(self.history) if "held_out_loss" in h), None)
         total, active, _ = parameter_counts(self.model.config)
         name = device_name(self.device)
         summary = {
@@ -252,7 +254,7 @@ class Trainer:
             "tokens_seen": sum(h["tokens"] for h in self.history),
             "mfu": (model_flops_utilization(tokens_per_s, self.model.config, self.config.seq_len, name,
                                             self.ranks.world_size) if self.device.type == "cuda" else None),
-            "first_loss": self.history[0]["loss"], "loss": last["loss"], "held_out_loss": held_out,
+            "first_loss": self.history[0]["loss"], "loss": last["loss"], "held_out_loss": self._last_held_out_loss(),
             "load_balance": last["load_balance"], "parameters": total, "active_parameters": active,
             "data": self.corpus.name, "model_config": as_dict(self.model.config),
             "train_config": as_dict(self.config), "files": [], "history": self.history,
