@@ -101,16 +101,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                        log_every=20, eval_every=200, eval_batches=16, save_every=1000)),
     Preset("medium", "for one 80 GB GPU",
            ModelConfig(d_model=1024, n_layers=12, n_heads=16, num_experts=8, top_k=2, d_ff=2816),
-           TrainConfig(steps=2000, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=200,
+           TrainConfig(steps=1000, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100,
                        log_every=20, eval_every=200, eval_batches=16, save_every=1000)),
 )}
-
-
-def get_preset(name: str) -> Preset:
-    """The preset called ``name``; ValueError naming the known ones otherwise."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
 
 
 def differences(saved: dict, current: dict, ignore: frozenset[str] = frozenset()) -> list[str]:
