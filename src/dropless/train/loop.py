@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,8 +197,10 @@ class Trainer:
         config = self.model.config
         session: list[dict] = []
         started = time.perf_counter()
+        report = self.progress and self.ranks.is_main
+        # A progress bar on a terminal; in a log (no terminal) a line at every log point instead.
         bar = tqdm(total=self.config.steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=None if self.progress and self.ranks.is_main else True)
+                   disable=not (report and sys.stderr.isatty()))
         interval = _Interval(self.device, config.n_layers, config.num_experts)
         while self.step < end:
             interval.add(*self.train_step())
@@ -212,6 +215,8 @@ class Trainer:
                 entry["held_out_loss"] = self.evaluate()
             if self.step % self.config.save_every == 0 and self.step != end:
                 self.save()
+            if report and bar.disable:
+                print(f"step {self.step}/{self.config.steps} | {self._postfix(entry)}", flush=True)
             bar.set_postfix_str(self._postfix(entry))
             interval = _Interval(self.device, config.n_layers, config.num_experts)
         bar.close()
