@@ -127,7 +127,7 @@ class Trainer:
                              f"settings ({'; '.join(mismatches)})")
 
     def describe(self) -> str:
-        """Two lines on what is about to train, on what."""
+        """Three lines on what is about to train, on what, and where it writes."""
         config = self.model.config
         total, active, _ = parameter_counts(config)
         tokens = self.config.batch_size * self.config.seq_len * self.ranks.world_size
@@ -137,7 +137,10 @@ class Trainer:
                 f"{config.n_layers} layers, {config.num_experts} experts top-{config.top_k}, on {where}{start}\n"
                 f"data: {self.corpus.name}, {self.corpus.train.numel():,} bytes to train on, "
                 f"{self.corpus.held_out.numel():,} held out; {tokens:,} tokens per step, "
-                f"{self.config.steps} steps")
+                f"{self.config.steps} steps\n"
+                f"writing to {self.out_dir}"
+                + (", over the checkpoint of an earlier run there (--resume continues it instead)"
+                   if not self.step and self.checkpoint_path.exists() else ""))
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the LM loss and auxiliary loss (fp32 scalars) and the expert load
