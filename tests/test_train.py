@@ -38,9 +38,9 @@ def random_text(path: Path, words: int) -> Path:
 
 
 def make_trainer(tmp_path: Path, out: str, model: ModelConfig = SMALL_MODEL, run: TrainConfig = SMALL_RUN,
-                 **kwargs) -> Trainer:
+                 device: str = "cpu", **kwargs) -> Trainer:
     corpus = load_corpus(tmp_path / "text.txt", run.seq_len)
-    return Trainer("test", model, run, corpus, tmp_path / out, torch.device("cpu"), progress=False, **kwargs)
+    return Trainer("test", model, run, corpus, tmp_path / out, torch.device(device), progress=False, **kwargs)
 
 
 def state_of(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -75,17 +75,33 @@ def test_tiny_preset_overfits_a_tiny_text(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["step"] == 40
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_on_the_gpu_overfits(tmp_path):
+    random_text(tmp_path / "text.txt", 60)
+    run = dataclasses.replace(SMALL_RUN, steps=60, batch_size=8, seq_len=32, warmup_steps=5, log_every=10,
+                              eval_every=60, save_every=60)
+    summary = make_trainer(tmp_path, "out", dataclasses.replace(SMALL_MODEL, d_model=64, d_ff=64), run,
+                           device="cuda").run()
+    assert summary["loss"] < 0.5 * summary["first_loss"], [round(h["loss"], 3) for h in summary["history"]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("expert_bias", [False, True], ids=["aux_loss", "expert_bias"])
-def test_resume_continues_bit_for_bit(tmp_path, expert_bias):
+def test_resume_continues_bit_for_bit(tmp_path, expert_bias, device):
     random_text(tmp_path / "text.txt", 300)
     model = dataclasses.replace(SMALL_MODEL, expert_bias=expert_bias)
-    straight = make_trainer(tmp_path, "straight", model)
+    straight = make_trainer(tmp_path, "straight", model, device=device)
     straight.run()
     stop = random.randint(1, SMALL_RUN.steps - 1)
-    interrupted = make_trainer(tmp_path, "resumed", model)
+    interrupted = make_trainer(tmp_path, "resumed", model, device=device)
     interrupted.run(until=stop)
     assert read_checkpoint(interrupted.checkpoint_path).meta["step"] == stop
-    resumed = make_trainer(tmp_path, "resumed", model, resume=True)
+    resumed = make_trainer(tmp_path, "resumed", model, device=device, resume=True)
     assert resumed.step == stop
     assert_same_state(resumed, interrupted)
     summary = resumed.run()
