@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from test_train import random_text
 
 from dropless.cli import main
@@ -98,3 +99,17 @@ def test_rejects_a_step_count_below_one(capsys):
         main(["train", "--steps", "0"])
     assert exit_info.value.code == 2
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_then_generate_on_the_gpu(tmp_path, capsys):
+    text = random_text(tmp_path / "text.txt", 200)
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(text), "--steps", "3", "--batch-size", "2",
+                 "--seq-len", "16", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == torch.cuda.get_device_name() and summary["step"] == 3
+    capsys.readouterr()
+    assert main(["generate", str(out / "checkpoint.safetensors"), "--prompt", "router", "--tokens", "25"]) == 0
+    assert capsys.readouterr().out.startswith("router")

@@ -49,6 +49,8 @@ def resolve_device(name: str, ranks: Ranks) -> torch.device:
             raise TrainError(f"--device {name}: no CUDA GPU is visible to PyTorch")
         if ranks.world_size > 1:
             device = torch.device("cuda", ranks.local_rank)
+        elif device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
 
