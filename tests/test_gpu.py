@@ -229,7 +229,7 @@ def autotune(monkeypatch):
 
 
 def test_no_host_sync(autotune):
-    E, K, N, M = 8, 512, 768, 4096
+    E, K, N, M = 8, 512, 768, 4096  # over MIN_TUNED_FLOPS: tuned configs
     sizes = torch.tensor(_sizes(E, 4000, 11), device=DEVICE)
     layer = GroupedLinear(E, K, N, bias=True, device=DEVICE, dtype=torch.bfloat16)
     fused = GroupedLinear(E, K, N, device=DEVICE, dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
@@ -259,7 +259,7 @@ def test_no_host_sync(autotune):
 def test_cuda_graph_replay_with_new_group_sizes(dtype, bias, monkeypatch):
     if dtype != torch.float32:
         monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
-    E, K, N, M = 8, 512, 384, 2048
+    E, K, N, M = 8, 1024, 768, 2048  # over MIN_TUNED_FLOPS: bf16 runs a tuned config
     layer = GroupedLinear(E, K, N, bias=bias, device=DEVICE, dtype=dtype)
     static_x = torch.randn(M, K, device=DEVICE, dtype=dtype, requires_grad=True)
     static_sizes = torch.tensor(_sizes(E, 2000, 12), device=DEVICE)

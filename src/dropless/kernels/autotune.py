@@ -19,6 +19,9 @@ from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import interpreting
 
 
+MIN_TUNED_FLOPS = 2**30
+
+
 def problem_class(*parts: Hashable, M: int) -> tuple:
     """A cache key: the given parts and M rounded up to a power of two."""
     return (*parts, triton.next_power_of_2(max(M, 1)))
@@ -36,19 +39,22 @@ class Autotuner:
         self.interpreter_config = interpreter_config
         self.cache: dict[tuple, GemmConfig] = {}
 
-    def choose(self, key: tuple, device: torch.device, element_size: int,
+    def choose(self, key: tuple, device: torch.device, element_size: int, flops: int,
                run: Callable[[GemmConfig], None]) -> GemmConfig:
         """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate.
 
         A candidate that does not compile for this problem (too much shared memory for fp32
-        operands, a schedule the compiler rejects for this layout) is skipped.
+        operands, a schedule the compiler rejects for this layout) is skipped. Problems of fewer
+        than ``MIN_TUNED_FLOPS`` (microseconds of work, where launch latency dominates and tuning
+        would cost seconds, as in token-by-token generation) take the default.
         """
         if interpreting() and device.type != "cuda":
             return self.interpreter_config
         if key in self.cache:
             return self.cache[key]
         default = self.default if element_size <= 2 else self.small_default
-        if os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        if (os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or flops < MIN_TUNED_FLOPS
+                or torch.cuda.is_current_stream_capturing()):
             return default
         timings = {}
         failure: Exception | None = None

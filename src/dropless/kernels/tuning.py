@@ -57,7 +57,8 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         ragged_m_mm(a, b, offsets, out, config, info)
 
-    config = _RAGGED_M.choose(key, a.device, a.element_size(), lambda cfg: run(cfg, torch.empty_like(c)))
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    config = _RAGGED_M.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))
     run(config)
 
 
@@ -71,11 +72,10 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
 
-    config = _RAGGED_K.choose(key, a.device, a.element_size(), lambda cfg: run(cfg, torch.empty_strided(
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    config = _RAGGED_K.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_strided(
         c.shape, c.stride(), dtype=c.dtype, device=c.device)))
     run(config)
-
-
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:

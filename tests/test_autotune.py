@@ -1,0 +1,32 @@
+"""The autotuner's rules: which problems are timed, and what the others run."""
+
+from __future__ import annotations
+
+import torch
+
+from dropless.kernels.autotune import MIN_TUNED_FLOPS, Autotuner
+from dropless.kernels.config import GemmConfig
+
+CANDIDATES = [GemmConfig(128, 256, 64), GemmConfig(64, 128, 32)]
+
+
+def _tuner() -> Autotuner:
+    return Autotuner("test", CANDIDATES, default=CANDIDATES[0], small_default=CANDIDATES[1],
+                     interpreter_config=GemmConfig(32, 32, 32))
+
+
+def _never(config: GemmConfig) -> None:
+    raise AssertionError(f"timed {config} for a problem that takes the default")
+
+
+def test_small_problems_take_the_default_untimed():
+    tuner = _tuner()
+    cuda = torch.device("cuda")
+    assert tuner.choose(("k", 1), cuda, 2, MIN_TUNED_FLOPS - 1, _never) == CANDIDATES[0]
+    assert tuner.choose(("k", 2), cuda, 4, MIN_TUNED_FLOPS // 7, _never) == CANDIDATES[1]
+    assert tuner.cache == {}
+
+
+def test_autotune_off_takes_the_default(monkeypatch):
+    monkeypatch.setenv("DROPLESS_AUTOTUNE", "0")
+    assert _tuner().choose(("k", 3), torch.device("cuda"), 2, 2**40, _never) == CANDIDATES[0]
