@@ -44,7 +44,7 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             "python_rng": random.getstate()}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, str(partial),
+    save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, str(partial),  # sync-ok: saving
               metadata={k: json.dumps(v) for k, v in meta.items()})
     os.replace(partial, path)
 
@@ -66,7 +66,8 @@ class Checkpoint:
         try:
             return ModelConfig(**self.meta["model_config"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise TrainError(f"{self.path}: its model config cannot be read by this version of dropless ({exc})") from None
+            raise TrainError(f"{self.path}: its model config cannot be read by this version of dropless "
+                             f"({exc})") from None
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -33,7 +33,7 @@ def encode(text: str) -> torch.Tensor:
 
 def decode(tokens: torch.Tensor) -> str:
     """The text of token ids ``[N]`` (any integer dtype); bytes that are not valid UTF-8 become U+FFFD."""
-    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")  # sync-ok: text out
 
 
 def stdlib_source() -> bytes:

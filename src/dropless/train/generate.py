@@ -33,7 +33,7 @@ def sample(model: MoELanguageModel, prompt: torch.Tensor, new_tokens: int, conte
                 cutoff = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             probs = torch.softmax(logits, dim=-1)
-            token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)  # sync-ok: seeded draw
         tokens = torch.cat([tokens, token])
     return tokens
 
@@ -44,4 +44,4 @@ def generate_text(model: MoELanguageModel, prompt: str, new_tokens: int, context
     An empty prompt starts from a newline."""
     generator = torch.Generator().manual_seed(seed)
     tokens = sample(model, encode(prompt or "\n"), new_tokens, context, temperature, top_k, generator)
-    return decode(tokens.cpu())
+    return decode(tokens.cpu())  # sync-ok: text out

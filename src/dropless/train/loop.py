@@ -176,16 +176,17 @@ class Trainer:
             inputs, targets = sampler.next_batch()
             with self.autocast:
                 total += lm_loss(self.model(inputs), targets)
-        return distributed.sum_across_ranks(total).item() / (self.config.eval_batches * self.ranks.world_size)
+        held_out = distributed.sum_across_ranks(total).item()  # sync-ok: evaluation, every eval_every steps
+        return held_out / (self.config.eval_batches * self.ranks.world_size)
 
     def _log(self, interval: _Interval) -> dict:
         """Read the interval's sums (the one host sync of a log point) into a history entry."""
         losses = distributed.sum_across_ranks(interval.losses) / (interval.steps * self.ranks.world_size)
-        load = distributed.sum_across_ranks(interval.load).tolist()
+        load = distributed.sum_across_ranks(interval.load).tolist()  # sync-ok: a log point
         _synchronize(self.device)
         seconds = time.perf_counter() - interval.started
         tokens = interval.steps * self.config.batch_size * self.config.seq_len * self.ranks.world_size
-        loss, aux_loss = losses.tolist()
+        loss, aux_loss = losses.tolist()  # sync-ok: a log point
         entry = {"step": self.step, "loss": loss, "aux_loss": aux_loss, "lr": lr_at(self.step - 1, self.config),
                  "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                  "load": load, "load_balance": load_balance(load)}

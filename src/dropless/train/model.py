@@ -101,7 +101,8 @@ class MoELanguageModel(nn.Module):
         return [block.moe for block in self.blocks]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` int64 ``[B, T]`` -> logits ``[B, T, vocab_size]`` (the autocast dtype under autocast, else fp32)."""
+        """``tokens`` int64 ``[B, T]`` -> logits ``[B, T, vocab_size]`` (the autocast dtype under autocast,
+        else fp32)."""
         cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta, tokens.device)
         x = self.embedding(tokens)
         for block in self.blocks:
