@@ -24,7 +24,9 @@ from conftest import (
 import dropless
 from dropless import GroupedLinear, reference
 from dropless.kernels.ragged_k import NO_ACCUMULATE
-from dropless.kernels.tuning import run_ragged_k, run_ragged_m
+from dropless.kernels.ragged_k_hopper import supports_hopper_ragged_k
+from dropless.kernels.ragged_m_hopper import supports_hopper_ragged_m
+from dropless.kernels.tuning import hopper_candidates, run_ragged_k, run_ragged_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -146,6 +148,64 @@ def test_launchers_write_every_element(dtype, tma):
         out = poisoned((len(sizes), K, N), torch.float32, DEVICE, transposed)
         run_ragged_k(x, dy, offsets, out, NO_ACCUMULATE, None, tma=tma)
         assert_experts_close(out, reference.grouped_mm_wgrad(x.double(), dy.double(), offsets), dtype, "dw")
+
+
+# Shapes every dimension of which TMA can read (rows of 16 bytes and up, 16-byte aligned strides).
+HOPPER_CASES = {
+    "e8_tail": CASES["e8_tail"],
+    "giant_group": CASES["giant_group"],
+    "e1": CASES["e1"],
+    "e256": CASES["e256"],
+    "m1": CASES["m1"],
+    "k_n_tails": (1500, 200, 136, _sizes(6, 1400, 9)),
+    "tiny_groups": (700, 256, 256, [1, 63, 64, 65, 0, 127, 128, 129, 2]),
+}
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                reason="the Gluon kernels are for sm_90")
+
+
+def _rows_past_end_poisoned(M, K, N, sizes, dtype):
+    x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+    dy = torch.randn(M, N, dtype=dtype, device=DEVICE)
+    x[sum(sizes):] = float("nan")
+    dy[sum(sizes):] = float("nan")
+    return x, dy
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", hopper_candidates()["ragged_m"], ids=str)
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ragged_m_every_hopper_candidate(dtype, case, config):
+    """Every config the Hopper ragged-M tuner may choose, both weight layouts, NaN past the last offset."""
+    M, K, N, sizes = HOPPER_CASES[case]
+    x, _ = _rows_past_end_poisoned(M, K, N, sizes, dtype)
+    offsets = offsets_of(sizes, DEVICE)
+    for w_layout in ("nk", "kn"):
+        w = make_w(len(sizes), K, N, dtype, DEVICE, w_layout)
+        y = poisoned((M, N), dtype, DEVICE)
+        assert supports_hopper_ragged_m(x, w, y)
+        run_ragged_m(x, w, offsets, y, config=config)
+        ref = reference.grouped_mm(torch.nan_to_num(x.double()), w.double(), offsets)
+        assert_rows_close(y, ref, sizes, dtype, f"y ({w_layout})")
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", hopper_candidates()["ragged_k"], ids=str)
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgrad_every_hopper_candidate(dtype, case, config):
+    """Every config the Hopper wgrad tuner may choose, both output layouts, NaN past the last offset."""
+    M, K, N, sizes = HOPPER_CASES[case]
+    x, dy = _rows_past_end_poisoned(M, K, N, sizes, dtype)
+    offsets = offsets_of(sizes, DEVICE)
+    routed = sum(sizes)
+    ref = reference.grouped_mm_wgrad(x[:routed].double(), dy[:routed].double(), offsets)
+    for transposed in (False, True):
+        out = poisoned((len(sizes), K, N), dtype, DEVICE, transposed)
+        assert supports_hopper_ragged_k(*((dy, x, out.transpose(1, 2)) if transposed else (x, dy, out)), 0)
+        run_ragged_k(x, dy, offsets, out, NO_ACCUMULATE, None, config=config)
+        assert_experts_close(out, ref, dtype, "dw")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -134,16 +134,25 @@ def _ragged_k_kernel(
                            TMA_STORE)
 
 
+def oriented(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a, b, c)`` with ``c`` written along its contiguous dimension.
+
+    If c is a transposed view (``[E, N, K]`` storage), the product is computed as ``c^T = b^T a``, so
+    stores stay coalesced (and TMA-able).
+    """
+    if c.stride(1) == 1 and c.stride(2) != 1:
+        return b, a, c.transpose(1, 2)
+    return a, b, c
+
+
 def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                 accumulate: int, flags: torch.Tensor | None, config: GemmConfig, info: LaunchInfo) -> None:
     """Launch the ragged-K kernel writing (or adding into) ``c [E, K, N]``; arguments are checked.
 
     a: ``[M, K]``; b: ``[M, N]``; offsets: int32 ``[E]``; accumulate: one of NO_ACCUMULATE,
-    ACCUMULATE_ALL, ACCUMULATE_FLAGGED (then ``flags`` is a bool ``[E]`` tensor).
+    ACCUMULATE_ALL, ACCUMULATE_FLAGGED (then ``flags`` is a bool ``[E]`` tensor). Orient the
+    operands with ``oriented`` first.
     """
-    if c.stride(1) == 1 and c.stride(2) != 1:
-        # c is a transposed view ([E, N, K] storage): compute c^T = b^T a so stores stay coalesced.
-        a, b, c = b, a, c.transpose(1, 2)
     M, K = a.shape
     N = b.shape[1]
     E = c.shape[0]

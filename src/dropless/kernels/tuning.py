@@ -7,8 +7,10 @@ import torch
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import launch_info
-from dropless.kernels.ragged_k import ragged_k_mm
+from dropless.kernels.ragged_k import oriented, ragged_k_mm
+from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper, supports_hopper_ragged_k
 from dropless.kernels.ragged_m import ragged_m_mm
+from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper, supports_hopper_ragged_m
 
 # Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K. Measured winners on an H100 (benchmarks/NOTES.md):
 # flattened 128x256 tiles for short K, warp-specialized ones with TMA stores for long K, two 128x128
@@ -47,38 +49,88 @@ _RAGGED_K = Autotuner(
 )
 
 
+# On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel joins the Triton
+# winners. Against them it measured 0.9-1.1x on an H100 (better at short K and skewed routing), so the
+# untimed default stays the flattened Triton kernel.
+_RAGGED_M_HOPPER = Autotuner(
+    "ragged_m_hopper",
+    candidates=[
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
+        GemmConfig(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
+    ],
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    small_default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    interpreter_config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+)
+
+# On Hopper, 16-bit operands written without accumulation: the Gluon kernel, 1.0-1.3x the best Triton
+# config on every shape measured. 32-row steps in 6 stages win with short groups (many experts), 64-row
+# steps in 3 stages with long ones.
+_RAGGED_K_HOPPER = Autotuner(
+    "ragged_k_hopper",
+    candidates=[
+        GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=3, gluon=True),
+    ],
+    default=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
+    small_default=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
+    interpreter_config=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
+)
+
+
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                 tma: bool | None = None) -> None:
-    """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class."""
+                 tma: bool | None = None, config: GemmConfig | None = None) -> None:
+    """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
+    with ``config`` (a Gluon one only where the Hopper kernel supports the call)."""
     info = launch_info(a.device, tma)
+    hopper = info.tma and supports_hopper_ragged_m(a, b, c)
+    tuner = _RAGGED_M_HOPPER if hopper else _RAGGED_M
     key = problem_class(a.device, a.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
                         M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
-        ragged_m_mm(a, b, offsets, out, config, info)
+        if config.gluon:
+            ragged_m_mm_hopper(a, b, offsets, out, config, info.num_programs)
+        else:
+            ragged_m_mm(a, b, offsets, out, config, info)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
-    config = _RAGGED_M.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))
+    config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))
     run(config)
 
 
 def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                 accumulate: int, flags: torch.Tensor | None, tma: bool | None = None) -> None:
-    """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config."""
+                 accumulate: int, flags: torch.Tensor | None, tma: bool | None = None,
+                 config: GemmConfig | None = None) -> None:
+    """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config of its
+    class, or with ``config`` (a Gluon one only where the Hopper kernel supports the call)."""
+    a, b, c = oriented(a, b, c)
     info = launch_info(a.device, tma)
-    key = problem_class(a.device, a.dtype, c.dtype, c.stride(1) == 1, info.tma, a.shape[1], b.shape[1],
-                        c.shape[0], M=a.shape[0])
+    hopper = info.tma and supports_hopper_ragged_k(a, b, c, accumulate)
+    tuner = _RAGGED_K_HOPPER if hopper else _RAGGED_K
+    key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
-        ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
+        if config.gluon:
+            ragged_k_mm_hopper(a, b, offsets, out, config, info.num_programs)
+        else:
+            ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    config = _RAGGED_K.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_strided(
+    config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_strided(
         c.shape, c.stride(), dtype=c.dtype, device=c.device)))
     run(config)
+
+
+def hopper_candidates() -> dict[str, list[GemmConfig]]:
+    """The configs each tuner chooses from where the Hopper kernels apply: ``{"ragged_m": [...],
+    "ragged_k": [...]}``."""
+    return {"ragged_m": list(_RAGGED_M_HOPPER.candidates), "ragged_k": list(_RAGGED_K_HOPPER.candidates)}
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """The configuration chosen so far for each problem class, by kernel: for logs and benchmarks."""
     return {tuner.name: {repr(key): str(config) for key, config in tuner.cache.items()}
-            for tuner in (_RAGGED_M, _RAGGED_K)}
+            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER)}

@@ -1,0 +1,69 @@
+"""What the Hopper (sm_90) Gluon kernels share: the dtype map, the TMA descriptors, the raster order.
+
+Both kernels are warp-specialized: one loader warp walks the program's tiles issuing TMA loads into a
+ring of shared-memory stages (``ready`` / ``empty`` mbarriers per stage), and the default partition
+(two warpgroups) runs the MMAs and writes each finished tile through an asynchronous TMA store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from dropless.kernels.launch import LaunchInfo
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def hopper_eligible(*tensors: torch.Tensor) -> bool:
+    """All on one sm_90 GPU, all of one 16-bit dtype, none empty, each readable by TMA as it is laid out."""
+    first = tensors[0]
+    if first.device.type != "cuda" or _capability(first.device) != 9 or first.dtype not in GL_DTYPES:
+        return False
+    return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
+
+
+def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of ``t`` (unit last stride) loading ``block_shape`` blocks into swizzled shared memory."""
+    layout = gl.NVMMASharedLayout.get_default_for(block_shape, GL_DTYPES[t.dtype])
+    return TensorDescriptor.from_tensor(t, block_shape, layout)
+
+
+@gluon.jit
+def raster(local_tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """Tile number inside one group -> ``(pid_m, pid_n)``, GROUP_M block rows at a time, so programs
+    working at the same time share a few A row blocks and B column blocks in L2."""
+    width = GROUP_M * tiles_n
+    first_m = (local_tile // width) * GROUP_M
+    rows_here = gl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local_tile % width) % rows_here
+    pid_n = (local_tile % width) // rows_here
+    return pid_m, pid_n
+
+
+@gluon.jit
+def stage_barriers(STAGES: gl.constexpr):
+    """Per operand stage, a ``ready`` barrier (its TMA loads landed) and an ``empty`` one (its MMA is done)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def release(empty, step, STAGES: gl.constexpr):
+    """Mark the stage of ``step`` consumed, once every warp of the partition is past its MMA."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(step % STAGES), count=1)

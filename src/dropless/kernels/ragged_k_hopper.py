@@ -1,0 +1,168 @@
+"""Ragged-K grouped GEMM (weight gradient) for Hopper, warp-specialized, in Gluon.
+
+    c[e] = a[s_e:t_e, :]^T @ b[s_e:t_e, :]     for every group e, with s_e = offsets[e-1], t_e = offsets[e]
+
+Same contract as ``ragged_k.py`` for its most common case: 16-bit a ``[M, K]`` and b ``[M, N]``
+read through TMA, c ``[E, K, N]`` of the same dtype written (not accumulated) through TMA.
+
+Why a second kernel: with short groups (a few hundred rows per expert) each output tile is a short
+reduction followed by a 64 KB store, and a kernel whose warps both compute and store leaves the
+tensor cores idle during every store and every pipeline refill. Here one loader warp runs ahead
+through the program's tiles, filling a ring of shared-memory stages; the compute warps only wait
+on it. Each finished tile is written to shared memory and stored by TMA asynchronously: the compute
+warps go straight on to the next tile, and wait for that store only when the buffer comes round
+again a whole tile later.
+
+The last row block of a group is partial: TMA reads whole blocks, so the rows past the group's end
+(another group's, or unrouted rows that may hold anything) are zeroed in shared memory, in both
+operands, before that block's MMA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.hopper import descriptor, hopper_eligible, raster, release, stage_barriers
+
+
+@gluon.jit
+def _tile_of(tile_id, tiles_k, tiles_n, GROUP_M: gl.constexpr):
+    """Tile number -> (group, block row along K, block column along N)."""
+    tiles_per_group = tiles_k * tiles_n
+    pid_k, pid_n = raster(tile_id % tiles_per_group, tiles_k, tiles_n, GROUP_M)
+    return tile_id // tiles_per_group, pid_k, pid_n
+
+
+@gluon.jit
+def _group_rows(offsets_ptr, group, M):
+    """Row range ``[start, end)`` of ``group``, clamped into ``[0, M]`` with ``end >= start``."""
+    start = gl.load(offsets_ptr + gl.maximum(group - 1, 0))
+    start = gl.where(group > 0, start, 0)
+    start = gl.minimum(gl.maximum(start, 0), M)
+    end = gl.minimum(gl.maximum(gl.load(offsets_ptr + group), start), M)
+    return start, end
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: TMA loads of every row block of every tile of this program, into the stage ring."""
+    step = 0
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
+        start, end = _group_rows(offsets_ptr, group, M)
+        for row in range(start, end, BLOCK_M):
+            slot = step % STAGES
+            # A slot is free once the MMA that read it completed; the ring starts out free.
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, num_warps: gl.constexpr):
+    """Zero the rows ``row0 + i >= end`` of a ``[BLOCK_M, WIDTH]`` stage buffer in place."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    values = buf.load(layout)
+    values = gl.where((rows < end)[:, None], values, gl.zeros_like(values))
+    buf.store(values)
+
+
+@gluon.jit
+def _compute(c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: the MMAs of each tile, then its epilogue through an asynchronous TMA store."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    step = 0
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
+        start, end = _group_rows(offsets_ptr, group, M)
+        acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        for row in range(start, end, BLOCK_M):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            a_buf = a_bufs.index(slot)
+            b_buf = b_bufs.index(slot)
+            if row + BLOCK_M > end:
+                _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, num_warps)
+                _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+            # At most one MMA in flight: the previous step's is done, so its slot can be refilled.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if row > start:
+                release(empty, step - 1, STAGES)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if end > start:
+            release(empty, step - 1, STAGES)
+        # The previous tile's store must have read c_smem before it is overwritten.
+        tma.store_wait(pendings=0)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [group, pid_k * BLOCK_K, pid_n * BLOCK_N],
+                                        c_smem.reshape([1, BLOCK_K, BLOCK_N]))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, offsets_ptr, M, N, K, E,
+                            BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    ready, empty = stage_barriers(STAGES)
+
+    tiles_k = gl.cdiv(K, BLOCK_K)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    total_tiles = E * tiles_k * tiles_n
+    gl.warp_specialize([
+        (_compute, (c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)),
+    ], [1], [24])
+
+
+def supports_hopper_ragged_k(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: int) -> bool:
+    """Whether this kernel covers the call: an sm_90 GPU, 16-bit a, b and c alike and TMA-able, no
+    empty dimension, no accumulation."""
+    return not accumulate and hopper_eligible(a, b, c)
+
+
+def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                       config: GemmConfig, num_programs: int) -> None:
+    """Launch on ``a [M, K]``, ``b [M, N]``, int32 ``offsets [E]``, ``c [E, K, N]``, where
+    ``supports_hopper_ragged_k`` holds."""
+    M, K = a.shape
+    N = b.shape[1]
+    E = c.shape[0]
+    bm, bk, bn = config.block_m, config.block_k, config.block_n
+    total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    grid = (max(1, min(num_programs, total_tiles)), )
+    _ragged_k_hopper_kernel[grid](descriptor(a, [bm, bk]), descriptor(b, [bm, bn]), descriptor(c, [1, bk, bn]),
+                                  offsets, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, GROUP_M=config.group_m,
+                                  STAGES=config.num_stages, num_warps=config.num_warps)

@@ -1,0 +1,210 @@
+"""Ragged-M grouped GEMM (forward and input gradient) for Hopper, warp-specialized, in Gluon.
+
+    c[s_e:t_e, :] = a[s_e:t_e, :] @ b[e]          for every group e, with s_e = offsets[e-1], t_e = offsets[e]
+    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert)
+
+Same contract as ``ragged_m.py`` for 16-bit operands that TMA can read: a ``[M, K]`` row-major, b
+``[E, K, N]`` with N or K contiguous, c ``[M, N]`` row-major, all of one dtype.
+
+Tiles are numbered group after group (group E is the unrouted tail, written as zeros); every
+partition derives that numbering from ``offsets`` on the device. One loader warp runs ahead through
+the program's tiles filling a ring of shared-memory stages, so the next tile's operands are already
+on chip when a tile ends; the compute warps write each tile that lies inside its group through an
+asynchronous TMA store and wait for it a tile later. A group's last block of rows usually ends
+inside the tile: those rows are written by masked stores, so the next group's rows are not touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.hopper import descriptor, hopper_eligible, raster, release, stage_barriers
+
+# The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
+# it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
+LOADER_WARPS: gl.constexpr = gl.constexpr(4)
+
+
+@gluon.jit
+def _scan_max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _scan_add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _pick(values, index, layout: gl.constexpr, E_POW2: gl.constexpr):
+    """``values[index]`` of a register vector."""
+    return gl.sum(gl.where(gl.arange(0, E_POW2, layout=layout) == index, values, 0), axis=0)
+
+
+@gluon.jit
+def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
+                 WARPS: gl.constexpr):
+    """Row ranges ``[starts, ends)`` of the groups (entry E: the unrouted tail) and the running total
+    of their tiles, as ``[E_POW2]`` vectors. Bounds are clamped into ``[0, M]`` and made
+    non-decreasing, so malformed offsets can neither address outside the operands nor overlap."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    e = gl.arange(0, E_POW2, layout=layout)
+    ends = gl.load(offsets_ptr + e, mask=e < E, other=M)
+    ends = gl.associative_scan(gl.minimum(gl.maximum(ends, 0), M), 0, _scan_max)
+    starts = gl.load(offsets_ptr + e - 1, mask=(e > 0) & (e <= E), other=0)
+    starts = gl.associative_scan(gl.minimum(gl.maximum(starts, 0), M), 0, _scan_max)
+    starts = gl.where(e > E, M, starts)
+    ends = gl.maximum(ends, starts)
+    tiles = gl.cdiv(ends - starts, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    return starts, ends, tiles, gl.associative_scan(tiles, 0, _scan_add)
+
+
+@gluon.jit
+def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Tile number -> (group, first row, group end, first column)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    group = gl.sum((tiles_end <= tile_id).to(gl.int32), axis=0)
+    start = _pick(starts, group, layout, E_POW2)
+    end = _pick(ends, group, layout, E_POW2)
+    local = tile_id - _pick(tiles_end - tiles, group, layout, E_POW2)
+    pid_m, pid_n = raster(local, gl.cdiv(end - start, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+    return group, start + pid_m * BLOCK_M, end, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+            STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr):
+    """TMA loads of the K blocks of every tile of this program, into the stage ring."""
+    starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, LOADER_WARPS)
+    total_tiles = gl.sum(tiles, axis=0)
+    step = 0
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
+                                         GROUP_M, E_POW2, LOADER_WARPS)
+        # The unrouted tail has no weight: nothing to load, its tiles are zeros.
+        k_end = gl.where(group < E, K, 0)
+        for k0 in range(0, k_end, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(slot))
+            if B_NK:
+                tma.async_copy_global_to_shared(b_desc, [group, col0, k0], bar,
+                                                b_bufs.index(slot).reshape([1, BLOCK_N, BLOCK_K]))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [group, k0, col0], bar,
+                                                b_bufs.index(slot).reshape([1, BLOCK_K, BLOCK_N]))
+            step += 1
+
+
+@gluon.jit
+def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: the MMAs of each tile, then its epilogue."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
+    total_tiles = gl.sum(tiles, axis=0)
+    step = 0
+    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
+                                         GROUP_M, E_POW2, num_warps)
+        k_end = gl.where(group < E, K, 0)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        for k0 in range(0, k_end, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            b_buf = b_bufs.index(slot)
+            if B_NK:
+                b_buf = b_buf.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(slot), b_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if k0 > 0:
+                release(empty, step - 1, STAGES)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if k_end > 0:
+            release(empty, step - 1, STAGES)
+        out = acc.to(c_desc.dtype)
+        if row0 + BLOCK_M <= end:
+            # The previous tile's store must have read c_smem before it is overwritten.
+            tma.store_wait(pendings=0)
+            c_smem.store(out)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_smem)
+        else:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+            gl.store(ptrs, out, mask=(rows < end)[:, None] & (cols < N)[None, :])
+    tma.store_wait(pendings=0)
+
+
+@gluon.constexpr_function
+def _b_block(BLOCK_K, BLOCK_N, B_NK):
+    """The shape of one weight block in shared memory: as stored, K or N contiguous."""
+    return [BLOCK_N, BLOCK_K] if B_NK else [BLOCK_K, BLOCK_N]
+
+
+@gluon.jit
+def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_ptr, M, N, K, E,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
+                            B_NK: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_block: gl.constexpr = _b_block(BLOCK_K, BLOCK_N, B_NK)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, b_block[0], b_block[1]],
+                                       gl.NVMMASharedLayout.get_default_for(b_block, dtype))
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = stage_barriers(STAGES)
+    gl.warp_specialize([
+        (_compute, (c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
+    ], [LOADER_WARPS], [40])
+
+
+def _weight_nk(b: torch.Tensor) -> bool:
+    """b ``[E, K, N]`` is a transposed view of ``[E, N, K]`` storage (K contiguous)."""
+    return b.stride(1) == 1 and b.stride(2) != 1
+
+
+def supports_hopper_ragged_m(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether this kernel covers the call: an sm_90 GPU, 16-bit a, b and c alike, each TMA-able as laid
+    out (b along N or along K), no empty dimension."""
+    return hopper_eligible(a, b.transpose(1, 2) if _weight_nk(b) else b, c)
+
+
+def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
+                       config: GemmConfig, num_programs: int) -> None:
+    """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, where
+    ``supports_hopper_ragged_m`` holds."""
+    M, K = a.shape
+    E, _, N = b.shape
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    b_nk = _weight_nk(b)
+    b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
+    max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
+    grid = (max(1, min(num_programs, max_tiles)), )
+    _ragged_m_hopper_kernel[grid](descriptor(a, [bm, bk]), b_desc, descriptor(c, [bm, bn]), c, c.stride(0),
+                                  offsets, M, N, K, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+                                  STAGES=config.num_stages, E_POW2=triton.next_power_of_2(E + 1), B_NK=b_nk,
+                                  num_warps=config.num_warps)
