@@ -24,8 +24,7 @@ from conftest import (
 import dropless
 from dropless import GroupedLinear, reference
 from dropless.kernels.ragged_k import NO_ACCUMULATE
-from dropless.kernels.ragged_k_hopper import supports_hopper_ragged_k
-from dropless.kernels.ragged_m_hopper import supports_hopper_ragged_m
+from dropless.kernels.launch import hopper_kernels_ok
 from dropless.kernels.tuning import hopper_candidates, run_ragged_k, run_ragged_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -184,7 +183,7 @@ def test_ragged_m_every_hopper_candidate(dtype, case, config):
     for w_layout in ("nk", "kn"):
         w = make_w(len(sizes), K, N, dtype, DEVICE, w_layout)
         y = poisoned((M, N), dtype, DEVICE)
-        assert supports_hopper_ragged_m(x, w, y)
+        assert hopper_kernels_ok(x, w.transpose(1, 2) if w_layout == "nk" else w, y)
         run_ragged_m(x, w, offsets, y, config=config)
         ref = reference.grouped_mm(torch.nan_to_num(x.double()), w.double(), offsets)
         assert_rows_close(y, ref, sizes, dtype, f"y ({w_layout})")
@@ -203,7 +202,7 @@ def test_wgrad_every_hopper_candidate(dtype, case, config):
     ref = reference.grouped_mm_wgrad(x[:routed].double(), dy[:routed].double(), offsets)
     for transposed in (False, True):
         out = poisoned((len(sizes), K, N), dtype, DEVICE, transposed)
-        assert supports_hopper_ragged_k(*((dy, x, out.transpose(1, 2)) if transposed else (x, dy, out)), 0)
+        assert hopper_kernels_ok(x, dy, out.transpose(1, 2) if transposed else out)
         run_ragged_k(x, dy, offsets, out, NO_ACCUMULATE, None, config=config)
         assert_experts_close(out, ref, dtype, "dw")
 

@@ -1,13 +1,12 @@
 """What the Hopper (sm_90) Gluon kernels share: the dtype map, the TMA descriptors, the raster order.
 
-Both kernels are warp-specialized: one loader warp walks the program's tiles issuing TMA loads into a
-ring of shared-memory stages (``ready`` / ``empty`` mbarriers per stage), and the default partition
+Both kernels are warp-specialized: a loader partition walks the program's tiles issuing TMA loads into
+a ring of shared-memory stages (``ready`` / ``empty`` mbarriers per stage), and the default partition
 (two warpgroups) runs the MMAs and writes each finished tile through an asynchronous TMA store.
+They are written against Triton 3.6's Gluon; ``launch.hopper_kernels_ok`` says when they apply.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -15,22 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dropless.kernels.launch import LaunchInfo
-
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@functools.cache
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
-def hopper_eligible(*tensors: torch.Tensor) -> bool:
-    """All on one sm_90 GPU, all of one 16-bit dtype, none empty, each readable by TMA as it is laid out."""
-    first = tensors[0]
-    if first.device.type != "cuda" or _capability(first.device) != 9 or first.dtype not in GL_DTYPES:
-        return False
-    return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
 
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:

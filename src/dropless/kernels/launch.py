@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and strides
@@ -45,6 +46,30 @@ class LaunchInfo:
     @staticmethod
     def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
+
+
+def weight_nk(b: torch.Tensor) -> bool:
+    """``b [E, K, N]`` is a transposed view of ``[E, N, K]`` storage (K contiguous, nn.Linear layout)."""
+    return b.stride(1) == 1 and b.stride(2) != 1
+
+
+def _triton_at_least(major: int, minor: int) -> bool:
+    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (major, minor)
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def hopper_kernels_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the Gluon kernels for Hopper can take these operands: Triton 3.6 or newer (their Gluon
+    API), all on one sm_90 GPU, all of one 16-bit dtype, none empty, each readable by TMA as laid out."""
+    first = tensors[0]
+    if (first.device.type != "cuda" or first.dtype not in (torch.bfloat16, torch.float16)
+            or not _triton_at_least(3, 6) or _capability(first.device) != 9):
+        return False
+    return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.hopper import descriptor, hopper_eligible, raster, release, stage_barriers
+from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
 
 
 @gluon.jit
@@ -147,16 +147,10 @@ def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, offsets_ptr, M, N, K, E,
     ], [1], [24])
 
 
-def supports_hopper_ragged_k(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, accumulate: int) -> bool:
-    """Whether this kernel covers the call: an sm_90 GPU, 16-bit a, b and c alike and TMA-able, no
-    empty dimension, no accumulation."""
-    return not accumulate and hopper_eligible(a, b, c)
-
-
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        config: GemmConfig, num_programs: int) -> None:
-    """Launch on ``a [M, K]``, ``b [M, N]``, int32 ``offsets [E]``, ``c [E, K, N]``, where
-    ``supports_hopper_ragged_k`` holds."""
+    """Launch on ``a [M, K]``, ``b [M, N]``, int32 ``offsets [E]``, ``c [E, K, N]``, all of which
+    ``launch.hopper_kernels_ok`` accepts (written, not accumulated)."""
     M, K = a.shape
     N = b.shape[1]
     E = c.shape[0]

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.groups import group_bounds, grouped_raster, pick
-from dropless.kernels.launch import LaunchInfo
+from dropless.kernels.launch import LaunchInfo, weight_nk
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
     """
     M, K = a.shape
     E, _, N = b.shape
-    b_nk = b.stride(1) == 1 and b.stride(2) != 1
+    b_nk = weight_nk(b)
     use_tma = info.tma and info.tma_ok(a) and info.tma_ok(b.transpose(1, 2) if b_nk else b)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if use_tma:

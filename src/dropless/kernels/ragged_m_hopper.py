@@ -29,7 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.hopper import descriptor, hopper_eligible, raster, release, stage_barriers
+from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
+from dropless.kernels.launch import weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
 # it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
@@ -182,25 +183,14 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_pt
     ], [LOADER_WARPS], [40])
 
 
-def _weight_nk(b: torch.Tensor) -> bool:
-    """b ``[E, K, N]`` is a transposed view of ``[E, N, K]`` storage (K contiguous)."""
-    return b.stride(1) == 1 and b.stride(2) != 1
-
-
-def supports_hopper_ragged_m(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
-    """Whether this kernel covers the call: an sm_90 GPU, 16-bit a, b and c alike, each TMA-able as laid
-    out (b along N or along K), no empty dimension."""
-    return hopper_eligible(a, b.transpose(1, 2) if _weight_nk(b) else b, c)
-
-
 def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        config: GemmConfig, num_programs: int) -> None:
-    """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, where
-    ``supports_hopper_ragged_m`` holds."""
+    """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, which
+    ``launch.hopper_kernels_ok`` accepts (b as stored: along N, or along K for an nn.Linear view)."""
     M, K = a.shape
     E, _, N = b.shape
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    b_nk = _weight_nk(b)
+    b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )

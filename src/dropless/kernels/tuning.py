@@ -6,11 +6,9 @@ import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import launch_info
+from dropless.kernels.launch import hopper_kernels_ok, launch_info, weight_nk
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
-from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper, supports_hopper_ragged_k
 from dropless.kernels.ragged_m import ragged_m_mm
-from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper, supports_hopper_ragged_m
 
 # Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K. Measured winners on an H100 (benchmarks/NOTES.md):
 # flattened 128x256 tiles for short K, warp-specialized ones with TMA stores for long K, two 128x128
@@ -83,15 +81,17 @@ _RAGGED_K_HOPPER = Autotuner(
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                  tma: bool | None = None, config: GemmConfig | None = None) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
-    with ``config`` (a Gluon one only where the Hopper kernel supports the call)."""
+    with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
     info = launch_info(a.device, tma)
-    hopper = info.tma and supports_hopper_ragged_m(a, b, c)
+    hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
     tuner = _RAGGED_M_HOPPER if hopper else _RAGGED_M
     key = problem_class(a.device, a.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
                         M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
+            # Imported on first use: the Gluon kernels need Triton 3.6 (hopper_kernels_ok checks).
+            from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
             ragged_m_mm_hopper(a, b, offsets, out, config, info.num_programs)
         else:
             ragged_m_mm(a, b, offsets, out, config, info)
@@ -105,15 +105,16 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                  accumulate: int, flags: torch.Tensor | None, tma: bool | None = None,
                  config: GemmConfig | None = None) -> None:
     """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config of its
-    class, or with ``config`` (a Gluon one only where the Hopper kernel supports the call)."""
+    class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
     a, b, c = oriented(a, b, c)
     info = launch_info(a.device, tma)
-    hopper = info.tma and supports_hopper_ragged_k(a, b, c, accumulate)
+    hopper = info.tma and not accumulate and hopper_kernels_ok(a, b, c)
     tuner = _RAGGED_K_HOPPER if hopper else _RAGGED_K
     key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
+            from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper
             ragged_k_mm_hopper(a, b, offsets, out, config, info.num_programs)
         else:
             ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
