@@ -23,8 +23,8 @@ from conftest import (
 
 import dropless
 from dropless import GroupedLinear, reference
-from dropless.kernels.ragged_k import NO_ACCUMULATE
-from dropless.kernels.launch import hopper_kernels_ok
+from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
+from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok
 from dropless.kernels.tuning import hopper_candidates, run_ragged_k, run_ragged_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -205,6 +205,33 @@ def test_wgrad_every_hopper_candidate(dtype, case, config):
         assert hopper_kernels_ok(x, dy, out.transpose(1, 2) if transposed else out)
         run_ragged_k(x, dy, offsets, out, NO_ACCUMULATE, None, config=config)
         assert_experts_close(out, ref, dtype, "dw")
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", hopper_candidates()["ragged_k_accumulate"], ids=str)
+@pytest.mark.parametrize("mode", ["write", "add", "mask"])
+@pytest.mark.parametrize("case", list(HOPPER_CASES))
+def test_wgrad_into_fp32_every_hopper_candidate(case, mode, config):
+    """Every config of the Hopper fp32-output tuner: written, added to, or added to where flagged, into
+    both layouts of an fp32 main_grad, with NaN past the last offset."""
+    M, K, N, sizes = HOPPER_CASES[case]
+    E = len(sizes)
+    x, dy = _rows_past_end_poisoned(M, K, N, sizes, torch.bfloat16)
+    offsets = offsets_of(sizes, DEVICE)
+    routed = sum(sizes)
+    ref = reference.grouped_mm_wgrad(x[:routed].double(), dy[:routed].double(), offsets)
+    flags = torch.tensor([e % 3 != 1 for e in range(E)], device=DEVICE)
+    accumulate = {"write": NO_ACCUMULATE, "add": ACCUMULATE_ALL, "mask": ACCUMULATE_FLAGGED}[mode]
+    for transposed in (False, True):
+        out = poisoned((E, K, N), torch.float32, DEVICE, transposed)
+        if mode != "write":
+            out.copy_(torch.randn(E, K, N))
+        init = out.clone()
+        assert hopper_wgrad_ok(*((dy, x, out.transpose(1, 2)) if transposed else (x, dy, out)))
+        run_ragged_k(x, dy, offsets, out, accumulate, flags if mode == "mask" else None, config=config)
+        added = torch.ones_like(flags) if mode == "add" else flags if mode == "mask" else ~torch.ones_like(flags)
+        expected = torch.where(added.view(-1, 1, 1), init.double() + ref, ref)
+        assert_experts_close(out, expected, torch.bfloat16, f"main_grad ({mode})")
 
 
 # ---------------------------------------------------------------------------------------------------

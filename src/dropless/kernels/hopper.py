@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:

@@ -72,6 +72,13 @@ def hopper_kernels_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
 
 
+def hopper_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the Hopper weight-gradient kernel can take ``a``, ``b`` and the output ``c``: a and b as
+    ``hopper_kernels_ok`` asks, c of their dtype or fp32, non-empty and TMA-able."""
+    return (hopper_kernels_ok(a, b) and c.dtype in (a.dtype, torch.float32) and c.numel() > 0
+            and LaunchInfo.tma_ok(c))
+
+
 @functools.cache
 def _device_info(device: torch.device) -> LaunchInfo:
     if device.type == "cuda":

@@ -2,8 +2,9 @@
 
     c[e] = a[s_e:t_e, :]^T @ b[s_e:t_e, :]     for every group e, with s_e = offsets[e-1], t_e = offsets[e]
 
-Same contract as ``ragged_k.py`` for its most common case: 16-bit a ``[M, K]`` and b ``[M, N]``
-read through TMA, c ``[E, K, N]`` of the same dtype written (not accumulated) through TMA.
+Same contract as ``ragged_k.py`` for 16-bit a ``[M, K]`` and b ``[M, N]`` read through TMA, and c
+``[E, K, N]`` of their dtype or fp32 (a ``main_grad``) written through TMA: overwritten, or added to
+(every expert, or those whose flag is set), the current values being loaded while the tile reduces.
 
 Why a second kernel: with short groups (a few hundred rows per expert) each output tile is a short
 reduction followed by a 64 KB store, and a kernel whose warps both compute and store leaves the
@@ -85,9 +86,24 @@ def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, 
 
 
 @gluon.jit
-def _compute(c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+def _prior_values(c_ptr, flags_ptr, group, k0, n0, K, N, stride_ce, stride_ck, layout: gl.constexpr,
+                  BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """The output tile's current values in fp32, to add to: all of them (ACCUMULATE 1), or only where
+    the group's flag is set (ACCUMULATE 2, zeros elsewhere)."""
+    ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    mask = (ks < K)[:, None] & (ns < N)[None, :]
+    if ACCUMULATE == 2:
+        mask = mask & (gl.load(flags_ptr + group) != 0)
+    ptrs = c_ptr + group.to(gl.int64) * stride_ce + ks.to(gl.int64)[:, None] * stride_ck + ns[None, :]
+    return gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr,
+             M, N, K, total_tiles, tiles_k, tiles_n,
              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, num_warps: gl.constexpr):
+             STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, num_warps: gl.constexpr):
     """The default partition: the MMAs of each tile, then its epilogue through an asynchronous TMA store."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -95,6 +111,10 @@ def _compute(c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
         start, end = _group_rows(offsets_ptr, group, M)
+        if ACCUMULATE != 0:
+            # Loaded before the reduction, so the loads complete while the MMAs run.
+            prior = _prior_values(c_ptr, flags_ptr, group, pid_k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_ce,
+                                  stride_ck, acc_layout, BLOCK_K, BLOCK_N, ACCUMULATE)
         acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for row in range(start, end, BLOCK_M):
             slot = step % STAGES
@@ -115,6 +135,8 @@ def _compute(c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if end > start:
             release(empty, step - 1, STAGES)
+        if ACCUMULATE != 0:
+            acc += prior
         # The previous tile's store must have read c_smem before it is overwritten.
         tma.store_wait(pendings=0)
         c_smem.store(acc.to(c_desc.dtype))
@@ -126,31 +148,34 @@ def _compute(c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total
 
 
 @gluon.jit
-def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, offsets_ptr, M, N, K, E,
+def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, offsets_ptr, M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+                            num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], c_desc.dtype))
     ready, empty = stage_barriers(STAGES)
 
     tiles_k = gl.cdiv(K, BLOCK_K)
     tiles_n = gl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_k * tiles_n
     gl.warp_specialize([
-        (_compute, (c_desc, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
-                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, num_warps)),
+        (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty,
+                    offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
+                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)),
     ], [1], [24])
 
 
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                       config: GemmConfig, num_programs: int) -> None:
-    """Launch on ``a [M, K]``, ``b [M, N]``, int32 ``offsets [E]``, ``c [E, K, N]``, all of which
-    ``launch.hopper_kernels_ok`` accepts (written, not accumulated)."""
+                       accumulate: int, flags: torch.Tensor | None, config: GemmConfig, num_programs: int) -> None:
+    """Launch on 16-bit ``a [M, K]`` and ``b [M, N]``, int32 ``offsets [E]``, and ``c [E, K, N]`` (N
+    contiguous) of a's dtype or fp32, all of which ``launch.hopper_wgrad_ok`` accepts. ``accumulate``
+    as in ``ragged_k.ragged_k_mm``: 0 writes, 1 adds, 2 adds where the bool ``flags [E]`` are set."""
     M, K = a.shape
     N = b.shape[1]
     E = c.shape[0]
@@ -158,5 +183,6 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
     _ragged_k_hopper_kernel[grid](descriptor(a, [bm, bk]), descriptor(b, [bm, bn]), descriptor(c, [1, bk, bn]),
+                                  c, flags if flags is not None else offsets, c.stride(0), c.stride(1),
                                   offsets, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, GROUP_M=config.group_m,
-                                  STAGES=config.num_stages, num_warps=config.num_warps)
+                                  STAGES=config.num_stages, ACCUMULATE=accumulate, num_warps=config.num_warps)

@@ -6,7 +6,7 @@ import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import hopper_kernels_ok, launch_info, weight_nk
+from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
 from dropless.kernels.ragged_m import ragged_m_mm
 
@@ -78,6 +78,19 @@ _RAGGED_K_HOPPER = Autotuner(
     interpreter_config=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
 )
 
+# The same kernel adding into (or writing) an fp32 main_grad: 128x128 output tiles, whose fp32 copy in
+# shared memory (64 KB) and current values in registers fit beside a deep stage ring.
+_RAGGED_K_HOPPER_ACCUMULATE = Autotuner(
+    "ragged_k_hopper_accumulate",
+    candidates=[
+        GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=4, gluon=True),
+    ],
+    default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
+    small_default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
+    interpreter_config=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
+)
+
 
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                  tma: bool | None = None, config: GemmConfig | None = None) -> None:
@@ -109,14 +122,16 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
     a, b, c = oriented(a, b, c)
     info = launch_info(a.device, tma)
-    hopper = info.tma and not accumulate and hopper_kernels_ok(a, b, c)
-    tuner = _RAGGED_K_HOPPER if hopper else _RAGGED_K
+    if info.tma and hopper_wgrad_ok(a, b, c):
+        tuner = _RAGGED_K_HOPPER if c.dtype == a.dtype and not accumulate else _RAGGED_K_HOPPER_ACCUMULATE
+    else:
+        tuner = _RAGGED_K
     key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
             from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper
-            ragged_k_mm_hopper(a, b, offsets, out, config, info.num_programs)
+            ragged_k_mm_hopper(a, b, offsets, out, accumulate, flags, config, info.num_programs)
         else:
             ragged_k_mm(a, b, offsets, out, accumulate, flags, config, info)
 
@@ -127,12 +142,13 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
 
 
 def hopper_candidates() -> dict[str, list[GemmConfig]]:
-    """The configs each tuner chooses from where the Hopper kernels apply: ``{"ragged_m": [...],
-    "ragged_k": [...]}``."""
-    return {"ragged_m": list(_RAGGED_M_HOPPER.candidates), "ragged_k": list(_RAGGED_K_HOPPER.candidates)}
+    """The configs each tuner chooses from where the Hopper kernels apply: ``ragged_m``, ``ragged_k``
+    (written in the operands' dtype) and ``ragged_k_accumulate`` (fp32 output, or added into)."""
+    return {"ragged_m": list(_RAGGED_M_HOPPER.candidates), "ragged_k": list(_RAGGED_K_HOPPER.candidates),
+            "ragged_k_accumulate": list(_RAGGED_K_HOPPER_ACCUMULATE.candidates)}
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """The configuration chosen so far for each problem class, by kernel: for logs and benchmarks."""
     return {tuner.name: {repr(key): str(config) for key, config in tuner.cache.items()}
-            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER)}
+            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER, _RAGGED_K_HOPPER_ACCUMULATE)}
