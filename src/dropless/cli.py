@@ -112,6 +112,7 @@ def _train(args: argparse.Namespace) -> int:
         if ranks.is_main:
             print(trainer.describe(), flush=True)
         summary = trainer.run()
+        distributed.wait_for_all()
     finally:
         distributed.stop()
     if ranks.is_main:

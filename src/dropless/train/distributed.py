@@ -62,6 +62,14 @@ def start(ranks: Ranks, device: torch.device) -> None:
                                 device_id=device if device.type == "cuda" else None)
 
 
+def wait_for_all() -> None:
+    """Block until every rank gets here (no-op for one process). Called before leaving the group after
+    a run: a gloo rank that tears its connections down while a peer is still writing its report can
+    be aborted."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def stop() -> None:
     """Leave the process group, if one was joined."""
     if dist.is_initialized():
