@@ -54,77 +54,82 @@ def bench(fn): return do_bench(fn, warmup=10, rep=60, return_mode="median")
 def rel(a, b): return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-which = sys.argv[1].split(",") if len(sys.argv) > 1 else [
-    f"{s}/{r}" for s in SHAPES for r in ("balanced", "skewed")]
-passes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fwd_nk", "fwd_kn", "dgrad", "wgrad"]
-rows = []
-for item in which:
-    name, routing = item.split("/")
-    E, M, K, N = SHAPES[name]
-    sizes = sizes_for(E, M, routing)
-    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w_nk = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    flops = 2 * M * K * N
-    for p in passes:
-        if p.startswith("fwd"):
-            w = w_nk.transpose(1, 2) if p == "fwd_nk" else w_nk.transpose(1, 2).contiguous()
-            big = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
-            dense = lambda: torch.mm(x, big)
-            peer = lambda: torch._grouped_mm(x, w, offs=offs)
-            out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            mine = lambda cfg: run_ragged_m(x, w, offs, out, config=cfg)
-            variants = M_VARIANTS
-        elif p == "dgrad":
-            big = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-            dense = lambda: torch.mm(dy, big)
-            peer = lambda: torch._grouped_mm(dy, w_nk, offs=offs)
-            out = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-            mine = lambda cfg: run_ragged_m(dy, w_nk, offs, out, config=cfg)
-            variants = M_VARIANTS
-        elif p == "wgrad_acc":
-            xt = x.t().contiguous()
-            dense = lambda: torch.mm(xt, dy)
-            main_grad = torch.randn(E, N, K, device="cuda", dtype=torch.float32)
-            peer_out = main_grad.clone()
-            peer = lambda: peer_out.add_(torch._grouped_mm(x.t(), dy, offs=offs).transpose(1, 2))
-            out = main_grad.clone().transpose(1, 2)
-            ref_val = main_grad.transpose(1, 2) + torch._grouped_mm(x.t(), dy, offs=offs).float()
-            mine = lambda cfg: run_ragged_k(x, dy, offs, out, 1, None, config=cfg)
-            variants = ACC_VARIANTS
-        else:
-            xt = x.t().contiguous()
-            dense = lambda: torch.mm(xt, dy)
-            peer = lambda: torch._grouped_mm(x.t(), dy, offs=offs)
-            out = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # nn.Linear layout
-            mine = lambda cfg: run_ragged_k(x, dy, offs, out, 0, None, config=cfg)
-            variants = K_VARIANTS
-        ref = peer() if p != "wgrad_acc" else None
-        r = dict(shape=item, p=p, dense=flops / bench(dense) / 1e9, torch=flops / bench(peer) / 1e9)
-        for vname, cfg in variants.items():
-            try:
-                if p == "wgrad_acc":
-                    out.copy_(main_grad.transpose(1, 2))
-                    mine(cfg)
-                    err = rel(out, ref_val)
-                else:
-                    mine(cfg)
-                    err = rel(out, ref)
-                r[vname] = flops / bench(lambda: mine(cfg)) / 1e9 if err < 2e-2 else -1.0
-                if err >= 2e-2:
-                    print("WRONG", item, p, vname, err, flush=True)
-            except Exception as e:  # noqa: BLE001
-                print("ERROR", item, p, vname, repr(e)[:300], flush=True); r[vname] = float("nan")
-        rows.append(r)
-        print(json.dumps({k: (round(v) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    del x, dy, w_nk; torch.cuda.empty_cache()
+def main() -> None:
+    which = sys.argv[1].split(",") if len(sys.argv) > 1 else [
+        f"{s}/{r}" for s in SHAPES for r in ("balanced", "skewed")]
+    passes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fwd_nk", "fwd_kn", "dgrad", "wgrad"]
+    rows = []
+    for item in which:
+        name, routing = item.split("/")
+        E, M, K, N = SHAPES[name]
+        sizes = sizes_for(E, M, routing)
+        offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        w_nk = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        flops = 2 * M * K * N
+        for p in passes:
+            if p.startswith("fwd"):
+                w = w_nk.transpose(1, 2) if p == "fwd_nk" else w_nk.transpose(1, 2).contiguous()
+                big = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+                dense = lambda: torch.mm(x, big)
+                peer = lambda: torch._grouped_mm(x, w, offs=offs)
+                out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                mine = lambda cfg: run_ragged_m(x, w, offs, out, config=cfg)
+                variants = M_VARIANTS
+            elif p == "dgrad":
+                big = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+                dense = lambda: torch.mm(dy, big)
+                peer = lambda: torch._grouped_mm(dy, w_nk, offs=offs)
+                out = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+                mine = lambda cfg: run_ragged_m(dy, w_nk, offs, out, config=cfg)
+                variants = M_VARIANTS
+            elif p == "wgrad_acc":
+                xt = x.t().contiguous()
+                dense = lambda: torch.mm(xt, dy)
+                main_grad = torch.randn(E, N, K, device="cuda", dtype=torch.float32)
+                peer_out = main_grad.clone()
+                peer = lambda: peer_out.add_(torch._grouped_mm(x.t(), dy, offs=offs).transpose(1, 2))
+                out = main_grad.clone().transpose(1, 2)
+                ref_val = main_grad.transpose(1, 2) + torch._grouped_mm(x.t(), dy, offs=offs).float()
+                mine = lambda cfg: run_ragged_k(x, dy, offs, out, 1, None, config=cfg)
+                variants = ACC_VARIANTS
+            else:
+                xt = x.t().contiguous()
+                dense = lambda: torch.mm(xt, dy)
+                peer = lambda: torch._grouped_mm(x.t(), dy, offs=offs)
+                out = torch.empty(E, N, K, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # nn.Linear layout
+                mine = lambda cfg: run_ragged_k(x, dy, offs, out, 0, None, config=cfg)
+                variants = K_VARIANTS
+            ref = peer() if p != "wgrad_acc" else None
+            r = dict(shape=item, p=p, dense=flops / bench(dense) / 1e9, torch=flops / bench(peer) / 1e9)
+            for vname, cfg in variants.items():
+                try:
+                    if p == "wgrad_acc":
+                        out.copy_(main_grad.transpose(1, 2))
+                        mine(cfg)
+                        err = rel(out, ref_val)
+                    else:
+                        mine(cfg)
+                        err = rel(out, ref)
+                    r[vname] = flops / bench(lambda: mine(cfg)) / 1e9 if err < 2e-2 else -1.0
+                    if err >= 2e-2:
+                        print("WRONG", item, p, vname, err, flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print("ERROR", item, p, vname, repr(e)[:300], flush=True); r[vname] = float("nan")
+            rows.append(r)
+            print(json.dumps({k: (round(v) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        del x, dy, w_nk; torch.cuda.empty_cache()
 
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_gluon.json"), "w"), indent=1)
-print("\nTFLOP/s; best gluon / dense, / torch, / best triton")
-for r in rows:
-    v = [k for k in r if k not in ("shape", "p", "dense", "torch")]
-    gl_best = max(r[k] for k in v if k.startswith("gl")); tri = max(r[k] for k in v if k.startswith("tri"))
-    print(f"{r['shape']:22s} {r['p']:6s} dense {r['dense']:4.0f} torch {r['torch']:4.0f} "
-          + " ".join(f"{k} {r[k]:4.0f}" for k in v)
-          + f" | {gl_best / r['dense']:.2f} {gl_best / r['torch']:.2f} {gl_best / tri:.2f}")
+    json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_gluon.json"), "w"), indent=1)
+    print("\nTFLOP/s; best gluon / dense, / torch, / best triton")
+    for r in rows:
+        v = [k for k in r if k not in ("shape", "p", "dense", "torch")]
+        gl_best = max(r[k] for k in v if k.startswith("gl")); tri = max(r[k] for k in v if k.startswith("tri"))
+        print(f"{r['shape']:22s} {r['p']:6s} dense {r['dense']:4.0f} torch {r['torch']:4.0f} "
+              + " ".join(f"{k} {r[k]:4.0f}" for k in v)
+              + f" | {gl_best / r['dense']:.2f} {gl_best / r['torch']:.2f} {gl_best / tri:.2f}")
+
+
+if __name__ == "__main__":
+    main()
