@@ -30,3 +30,18 @@ def test_small_problems_take_the_default_untimed():
 def test_autotune_off_takes_the_default(monkeypatch):
     monkeypatch.setenv("DROPLESS_AUTOTUNE", "0")
     assert _tuner().choose(("k", 3), torch.device("cuda"), 2, 2**40, _never) == CANDIDATES[0]
+
+
+def test_the_default_stays_unless_clearly_beaten(monkeypatch):
+    import dropless.kernels.autotune as autotune
+
+    timings = {}
+    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: timings[fn()])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
+    cuda = torch.device("cuda")
+    default, other = CANDIDATES
+    timings.update({default: 1.0, other: 0.98})  # 2% faster: within the margin
+    assert _tuner().choose(("k", 4), cuda, 2, 2**40, lambda config: config) == default
+    timings.update({default: 1.0, other: 0.9})  # 10% faster: replaces the default
+    assert _tuner().choose(("k", 5), cuda, 2, 2**40, lambda config: config) == other
