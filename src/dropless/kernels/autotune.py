@@ -3,8 +3,9 @@
 A problem class is (kernel, device, dtype, layout, K, N, E, M rounded up to a power of two). Tuning
 runs real launches on scratch outputs, so it never touches the caller's tensors, and it never runs
 while a CUDA graph is being captured: a class first seen under capture takes the default config.
-Each candidate is timed in two interleaved rounds and keeps its better median; the default stays
-unless another candidate is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the default.
+Each candidate is timed in two interleaved rounds and keeps its better median; the preferred config
+stays unless another candidate is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the
+default.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dropless.kernels.launch import interpreting
 
 MIN_TUNED_FLOPS = 2**30
 TUNING_ROUNDS = 2
-DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction to replace it
+DEFAULT_MARGIN = 0.03  # another config must beat the preferred one by this fraction to replace it
 
 
 def problem_class(*parts: Hashable, M: int) -> tuple:
@@ -31,13 +32,20 @@ def problem_class(*parts: Hashable, M: int) -> tuple:
 
 
 class Autotuner:
-    """Chooses among ``candidates`` for each problem class; ``default`` wherever it cannot time."""
+    """Chooses among ``candidates`` for each problem class; ``default`` wherever it cannot time.
+
+    When it times, ``preferred`` (the default if not given) is kept unless another candidate is more
+    than ``DEFAULT_MARGIN`` faster: a class is timed on the group sizes of its first call, and the
+    preferred config is the one that holds up under other routings.
+    """
 
     def __init__(self, name: str, candidates: Sequence[GemmConfig], default: GemmConfig,
-                 small_default: GemmConfig, interpreter_config: GemmConfig) -> None:
+                 small_default: GemmConfig, interpreter_config: GemmConfig,
+                 preferred: GemmConfig | None = None) -> None:
         self.name = name
         self.candidates = list(candidates)
         self.default = default
+        self.preferred = preferred
         self.small_default = small_default  # fits the shared memory with 4-byte operands
         self.interpreter_config = interpreter_config
         self.cache: dict[tuple, GemmConfig] = {}
@@ -77,9 +85,8 @@ class Autotuner:
             raise RuntimeError(f"{self.name}: no tile configuration compiled for {key}") from next(
                 iter(failed.values()))
         best = min(timings, key=timings.get)
-        # The default holds unless another config is clearly faster: the class is timed on the group
-        # sizes of its first call, and the default is the config that holds up under other routings.
-        if default in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[default]:
-            best = default
+        keep = self.preferred or default
+        if keep in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[keep]:
+            best = keep
         self.cache[key] = best
         return best

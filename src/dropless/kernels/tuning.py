@@ -49,9 +49,9 @@ _RAGGED_K = Autotuner(
 
 # On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel and the Triton
 # winners. With balanced routing the flattened Triton kernel is 0-7% faster at short K (qwen3), the
-# Gluon one equal at long K; with skewed routing the Gluon one is up to 18% faster at long K (a Triton
-# tile's pipeline refills at every tile). So the Gluon kernel is the default that a class timed on
-# balanced routing keeps unless Triton is clearly ahead.
+# Gluon one equal at long K; with skewed routing the Gluon one is up to 18% faster at long K (dsv3-up,
+# benchmarks/results/probes). So the Gluon kernel is preferred: a class timed on balanced
+# routing keeps it unless Triton is clearly ahead. Untimed calls take the flattened Triton kernel.
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
@@ -61,9 +61,10 @@ _RAGGED_M_HOPPER = Autotuner(
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
         GemmConfig(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
     ],
-    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
-    small_default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
-    interpreter_config=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    small_default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    interpreter_config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    preferred=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
 
 # On Hopper, 16-bit operands written without accumulation: the Gluon kernel, 1.0-1.3x the best Triton
