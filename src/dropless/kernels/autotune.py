@@ -40,14 +40,16 @@ class Autotuner:
     """
 
     def __init__(self, name: str, candidates: Sequence[GemmConfig], default: GemmConfig,
-                 small_default: GemmConfig, interpreter_config: GemmConfig,
+                 small_default: GemmConfig | None = None, interpreter_config: GemmConfig | None = None,
                  preferred: GemmConfig | None = None) -> None:
         self.name = name
         self.candidates = list(candidates)
         self.default = default
         self.preferred = preferred
-        self.small_default = small_default  # fits the shared memory with 4-byte operands
-        self.interpreter_config = interpreter_config
+        # For 4-byte operands (fits the shared memory) and for the interpreter; the default where a
+        # tuner never sees those (the Hopper kernels take 16-bit CUDA operands only).
+        self.small_default = small_default or default
+        self.interpreter_config = interpreter_config or default
         self.cache: dict[tuple, GemmConfig] = {}
 
     def choose(self, key: tuple, device: torch.device, element_size: int, flops: int,

@@ -62,8 +62,6 @@ _RAGGED_M_HOPPER = Autotuner(
         GemmConfig(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
     ],
     default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
-    small_default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
-    interpreter_config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
     preferred=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
 
@@ -77,8 +75,6 @@ _RAGGED_K_HOPPER = Autotuner(
         GemmConfig(64, 256, 128, num_warps=8, num_stages=3, gluon=True),
     ],
     default=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
-    small_default=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
-    interpreter_config=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
 )
 
 # The same kernel adding into (or writing) an fp32 main_grad: 128x128 output tiles, whose fp32 copy in
@@ -90,8 +86,6 @@ _RAGGED_K_HOPPER_ACCUMULATE = Autotuner(
         GemmConfig(64, 128, 128, num_warps=8, num_stages=4, gluon=True),
     ],
     default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
-    small_default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
-    interpreter_config=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
 )
 
 
