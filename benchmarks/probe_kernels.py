@@ -42,11 +42,15 @@ ACC_VARIANTS = {
     "tri_s3": G(64, 128, 128, num_warps=8, num_stages=3, flatten=True, programs_per_sm=2),
     "gl_r32s8": G(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
     "gl_r64s4": G(64, 128, 128, num_warps=8, num_stages=4, gluon=True),
+    "gl_r32s8_bw": G(32, 128, 128, num_warps=8, num_stages=8, by_work=True, gluon=True),
+    "gl_r64s4_bw": G(64, 128, 128, num_warps=8, num_stages=4, by_work=True, gluon=True),
 }
 K_VARIANTS = {
     "tri_lpt": G(64, 256, 128, num_warps=8, num_stages=3, by_work=True, tma_store=True),
     "gl_s3": G(64, 256, 128, num_warps=8, num_stages=3, gluon=True),
     "gl_r32": G(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
+    "gl_s3_bw": G(64, 256, 128, num_warps=8, num_stages=3, by_work=True, gluon=True),
+    "gl_r32_bw": G(32, 256, 128, num_warps=8, num_stages=6, by_work=True, gluon=True),
 }
 
 
@@ -55,7 +59,7 @@ def rel(a, b): return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main() -> None:
-    which = sys.argv[1].split(",") if len(sys.argv) > 1 else [
+    which = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else [
         f"{s}/{r}" for s in SHAPES for r in ("balanced", "skewed")]
     passes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fwd_nk", "fwd_kn", "dgrad", "wgrad"]
     rows = []
@@ -122,13 +126,16 @@ def main() -> None:
         del x, dy, w_nk; torch.cuda.empty_cache()
 
     json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_gluon.json"), "w"), indent=1)
-    print("\nTFLOP/s; best gluon / dense, / torch, / best triton")
+    print("\nTFLOP/s; best gluon / dense, / torch, / best triton; best by-work gluon (_bw) / best other gluon")
     for r in rows:
         v = [k for k in r if k not in ("shape", "p", "dense", "torch")]
         gl_best = max(r[k] for k in v if k.startswith("gl")); tri = max(r[k] for k in v if k.startswith("tri"))
+        by_work = [r[k] for k in v if k.startswith("gl") and k.endswith("_bw")]
+        static = max(r[k] for k in v if k.startswith("gl") and not k.endswith("_bw"))
         print(f"{r['shape']:22s} {r['p']:6s} dense {r['dense']:4.0f} torch {r['torch']:4.0f} "
               + " ".join(f"{k} {r[k]:4.0f}" for k in v)
-              + f" | {gl_best / r['dense']:.2f} {gl_best / r['torch']:.2f} {gl_best / tri:.2f}")
+              + f" | {gl_best / r['dense']:.2f} {gl_best / r['torch']:.2f} {gl_best / tri:.2f}"
+              + (f" | {max(by_work) / static:.2f}" if by_work else ""))
 
 
 if __name__ == "__main__":

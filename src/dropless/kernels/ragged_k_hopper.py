@@ -56,23 +56,100 @@ def _group_rows(offsets_ptr, group, M):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
+def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Each group's place when groups are taken largest first (ties: lower index first), as an
+    ``[E_POW2]`` vector; entries from E on are never looked up. Sizes are the clamped row ranges."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    e = gl.arange(0, E_POW2, layout=layout)
+    ends = gl.associative_scan(gl.minimum(gl.maximum(gl.load(offsets_ptr + e, mask=e < E, other=0), 0), M), 0,
+                               _scan_max)
+    starts = gl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    starts = gl.associative_scan(gl.minimum(gl.maximum(starts, 0), M), 0, _scan_max)
+    sizes = ends - starts
+    rank = gl.zeros_like(e)
+    done = M - M
+    for j in range(E):
+        end_j = gl.maximum(done, gl.minimum(gl.maximum(gl.load(offsets_ptr + j), 0), M))
+        size_j = end_j - done
+        done = end_j
+        rank += ((size_j > sizes) | ((size_j == sizes) & (j < e))).to(gl.int32)
+    return rank
+
+
+@gluon.jit
+def _scan_max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step, tiles_k, tiles_n,
+               BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+               STAGES: gl.constexpr):
+    """TMA loads of every row block of one tile into the stage ring; returns the next step number."""
+    group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
+    start, end = _group_rows(offsets_ptr, group, M)
+    for row in range(start, end, BLOCK_M):
+        slot = step % STAGES
+        # A slot is free once the MMA that read it completed; the ring starts out free.
+        mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
+        step += 1
+    return step
+
+
+@gluon.jit
+def _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, WARPS: gl.constexpr):
+    """Hand tile number ``tile_id`` (-1: no more) to the compute partition through slot ``n % 2`` of the queue."""
+    slot = n % 2
+    mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1)
+    tile_ids.index(slot).store(gl.full([1], tile_id, gl.int32, gl.BlockedLayout([1], [32], [WARPS], [0])))
+    release(tile_ready, n, 2)
+
+
+@gluon.jit
+def _take_tile(tile_ids, tile_ready, tile_empty, n, WARPS: gl.constexpr):
+    """The tile number the loader put in slot ``n % 2`` of the queue (-1: no more)."""
+    slot = n % 2
+    mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
+    tile_id = gl.max(tile_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+    release(tile_empty, n, 2)
+    return tile_id
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, counter_ptr,
+            offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr):
-    """One warp: TMA loads of every row block of every tile of this program, into the stage ring."""
+            STAGES: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """TMA loads of every row block of every tile of this program, into the stage ring.
+
+    BY_WORK: tiles are drawn one at a time from a counter over all programs, groups largest first,
+    and each drawn tile's number is queued for the compute partition; otherwise a program takes every
+    ``num_programs``-th tile in group order."""
     step = 0
-    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-        group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
-        start, end = _group_rows(offsets_ptr, group, M)
-        for row in range(start, end, BLOCK_M):
-            slot = step % STAGES
-            # A slot is free once the MMA that read it completed; the ring starts out free.
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
-            step += 1
+    if BY_WORK:
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        e = gl.arange(0, E_POW2, layout=layout)
+        rank = _size_ranks(offsets_ptr, E, M, E_POW2, WARPS)
+        tiles_per_group = tiles_k * tiles_n
+        n = 0
+        drawn = gl.atomic_add(counter_ptr, 1)
+        while drawn < total_tiles:
+            group = gl.sum(gl.where(rank == drawn // tiles_per_group, e, 0), axis=0)
+            tile_id = group * tiles_per_group + drawn % tiles_per_group
+            _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, WARPS)
+            step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
+                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)
+            n += 1
+            drawn = gl.atomic_add(counter_ptr, 1)
+        _post_tile(tile_ids, tile_ready, tile_empty, n, -1, WARPS)
+    else:
+        for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
+                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)
 
 
 @gluon.jit
@@ -100,89 +177,133 @@ def _prior_values(c_ptr, flags_ptr, group, k0, n0, K, N, stride_ce, stride_ck, l
 
 
 @gluon.jit
-def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr,
-             M, N, K, total_tiles, tiles_k, tiles_n,
-             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, num_warps: gl.constexpr):
-    """The default partition: the MMAs of each tile, then its epilogue through an asynchronous TMA store."""
+def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr,
+                  M, N, K, tile_id, step, tiles_k, tiles_n,
+                  BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, num_warps: gl.constexpr):
+    """The MMAs of one tile, then its epilogue through an asynchronous TMA store; returns the next step number."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    step = 0
-    for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-        group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
-        start, end = _group_rows(offsets_ptr, group, M)
-        if ACCUMULATE != 0:
-            # Loaded before the reduction, so the loads complete while the MMAs run.
-            prior = _prior_values(c_ptr, flags_ptr, group, pid_k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_ce,
-                                  stride_ck, acc_layout, BLOCK_K, BLOCK_N, ACCUMULATE)
-        acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        for row in range(start, end, BLOCK_M):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            a_buf = a_bufs.index(slot)
-            b_buf = b_bufs.index(slot)
-            if row + BLOCK_M > end:
-                _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, num_warps)
-                _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
-            # At most one MMA in flight: the previous step's is done, so its slot can be refilled.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if row > start:
-                release(empty, step - 1, STAGES)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if end > start:
+    group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
+    start, end = _group_rows(offsets_ptr, group, M)
+    if ACCUMULATE != 0:
+        # Loaded before the reduction, so the loads complete while the MMAs run.
+        prior = _prior_values(c_ptr, flags_ptr, group, pid_k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_ce,
+                              stride_ck, acc_layout, BLOCK_K, BLOCK_N, ACCUMULATE)
+    acc = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    for row in range(start, end, BLOCK_M):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        a_buf = a_bufs.index(slot)
+        b_buf = b_bufs.index(slot)
+        if row + BLOCK_M > end:
+            _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, num_warps)
+            _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, num_warps)
+            fence_async_shared()
+            gl.thread_barrier()
+        acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+        # At most one MMA in flight: the previous step's is done, so its slot can be refilled.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        if row > start:
             release(empty, step - 1, STAGES)
-        if ACCUMULATE != 0:
-            acc += prior
-        # The previous tile's store must have read c_smem before it is overwritten.
-        tma.store_wait(pendings=0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(c_desc, [group, pid_k * BLOCK_K, pid_n * BLOCK_N],
-                                        c_smem.reshape([1, BLOCK_K, BLOCK_N]))
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if end > start:
+        release(empty, step - 1, STAGES)
+    if ACCUMULATE != 0:
+        acc += prior
+    # The previous tile's store must have read c_smem before it is overwritten.
     tma.store_wait(pendings=0)
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(c_desc, [group, pid_k * BLOCK_K, pid_n * BLOCK_N],
+                                    c_smem.reshape([1, BLOCK_K, BLOCK_N]))
+    return step
 
 
 @gluon.jit
-def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, offsets_ptr, M, N, K, E,
+def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
+             tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
+             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+             STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, BY_WORK: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: every tile of this program, in the order the loader takes them."""
+    step = 0
+    if BY_WORK:
+        n = 0
+        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, num_warps)
+        while tile_id >= 0:
+            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
+                                 empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
+                                 BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)
+            n += 1
+            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, num_warps)
+    else:
+        for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
+                                 empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
+                                 BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)
+    tma.store_wait(pendings=0)
+
+
+@gluon.constexpr_function
+def _loader_warps(BY_WORK):
+    """The by-work loader keeps the groups' ranks in registers: a warpgroup spreads them over 128 threads."""
+    return 4 if BY_WORK else 1
+
+
+@gluon.constexpr_function
+def _loader_registers(BY_WORK):
+    return 40 if BY_WORK else 24
+
+
+@gluon.jit
+def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, offsets_ptr, counter_ptr,
+                            M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            BY_WORK: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_K, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], c_desc.dtype))
     ready, empty = stage_barriers(STAGES)
+    # The queue of drawn tile numbers, loader to compute (BY_WORK only): two slots.
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready, tile_empty = stage_barriers(2)
 
     tiles_k = gl.cdiv(K, BLOCK_K)
     tiles_n = gl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_k * tiles_n
+    loader_warps: gl.constexpr = _loader_warps(BY_WORK)
+    loader_registers: gl.constexpr = _loader_registers(BY_WORK)
     gl.warp_specialize([
-        (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty,
-                    offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
-                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n,
-                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)),
-    ], [1], [24])
+        (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
+                    tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
+                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, counter_ptr,
+                   offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
+                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, E_POW2, loader_warps)),
+    ], [loader_warps], [loader_registers])
 
 
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        accumulate: int, flags: torch.Tensor | None, config: GemmConfig, num_programs: int) -> None:
     """Launch on 16-bit ``a [M, K]`` and ``b [M, N]``, int32 ``offsets [E]``, and ``c [E, K, N]`` (N
     contiguous) of a's dtype or fp32, all of which ``launch.hopper_wgrad_ok`` accepts. ``accumulate``
-    as in ``ragged_k.ragged_k_mm``: 0 writes, 1 adds, 2 adds where the bool ``flags [E]`` are set."""
+    as in ``ragged_k.ragged_k_mm``: 0 writes, 1 adds, 2 adds where the bool ``flags [E]`` are set.
+    ``config.by_work``: tiles drawn from a counter, largest groups first."""
     M, K = a.shape
     N = b.shape[1]
     E = c.shape[0]
     bm, bk, bn = config.block_m, config.block_k, config.block_n
     total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
     _ragged_k_hopper_kernel[grid](descriptor(a, [bm, bk]), descriptor(b, [bm, bn]), descriptor(c, [1, bk, bn]),
                                   c, flags if flags is not None else offsets, c.stride(0), c.stride(1),
-                                  offsets, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, GROUP_M=config.group_m,
-                                  STAGES=config.num_stages, ACCUMULATE=accumulate, num_warps=config.num_warps)
+                                  offsets, counter, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+                                  GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate,
+                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E),
+                                  num_warps=config.num_warps)

@@ -73,6 +73,8 @@ _RAGGED_K_HOPPER = Autotuner(
     candidates=[
         GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
         GemmConfig(64, 256, 128, num_warps=8, num_stages=3, gluon=True),
+        GemmConfig(32, 256, 128, num_warps=8, num_stages=6, by_work=True, gluon=True),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=3, by_work=True, gluon=True),
     ],
     default=GemmConfig(32, 256, 128, num_warps=8, num_stages=6, gluon=True),
 )
@@ -84,6 +86,8 @@ _RAGGED_K_HOPPER_ACCUMULATE = Autotuner(
     candidates=[
         GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
         GemmConfig(64, 128, 128, num_warps=8, num_stages=4, gluon=True),
+        GemmConfig(32, 128, 128, num_warps=8, num_stages=8, by_work=True, gluon=True),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=4, by_work=True, gluon=True),
     ],
     default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, gluon=True),
 )
