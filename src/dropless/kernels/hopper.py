@@ -36,13 +36,14 @@ def raster(local_tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def stage_barriers(STAGES: gl.constexpr):
-    """Per operand stage, a ``ready`` barrier (its TMA loads landed) and an ``empty`` one (its MMA is done)."""
+def stage_barriers(STAGES: gl.constexpr, readers: gl.constexpr = 1):
+    """Per stage of a ring, a ``ready`` barrier (it was filled) and an ``empty`` one (each of its
+    ``readers`` partitions is done with it)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=readers)
     return ready, empty
 
 

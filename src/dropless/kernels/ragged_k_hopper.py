@@ -58,7 +58,7 @@ def _group_rows(offsets_ptr, group, M):
 @gluon.jit
 def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
     """Each group's place when groups are taken largest first (ties: lower index first), as an
-    ``[E_POW2]`` vector; entries from E on are never looked up. Sizes are the clamped row ranges."""
+    ``[E_POW2]`` vector, -1 from entry E on. Sizes are the clamped row ranges."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     e = gl.arange(0, E_POW2, layout=layout)
     ends = gl.associative_scan(gl.minimum(gl.maximum(gl.load(offsets_ptr + e, mask=e < E, other=0), 0), M), 0,
@@ -73,12 +73,52 @@ def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
         size_j = end_j - done
         done = end_j
         rank += ((size_j > sizes) | ((size_j == sizes) & (j < e))).to(gl.int32)
-    return rank
+    return gl.where(e < E, rank, -1)
 
 
 @gluon.jit
 def _scan_max(a, b):
     return gl.maximum(a, b)
+
+
+@gluon.jit
+def _scheduler(tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
+               BY_WORK: gl.constexpr, E_POW2: gl.constexpr, QUEUE: gl.constexpr):
+    """One warp (BY_WORK only): draws tiles one at a time from a counter shared by all programs, groups
+    largest first, and queues their numbers for the loader and the compute partition, ending with -1.
+    It runs up to QUEUE tiles ahead, so the counter's latency is off the loader's path."""
+    if BY_WORK:
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        e = gl.arange(0, E_POW2, layout=layout)
+        rank = _size_ranks(offsets_ptr, E, M, E_POW2, 1)
+        tiles_per_group = tiles_k * tiles_n
+        n = 0
+        drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while drawn < total_tiles:
+            group = gl.sum(gl.where(rank == drawn // tiles_per_group, e, 0), axis=0)
+            _post_tile(tile_ids, tile_ready, tile_empty, n, group * tiles_per_group + drawn % tiles_per_group, QUEUE)
+            n += 1
+            drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        _post_tile(tile_ids, tile_ready, tile_empty, n, -1, QUEUE)
+
+
+@gluon.jit
+def _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, QUEUE: gl.constexpr):
+    """Put tile number ``tile_id`` in slot ``n % QUEUE`` of the queue, once both readers freed it."""
+    slot = n % QUEUE
+    mbarrier.wait(tile_empty.index(slot), ((n // QUEUE) & 1) ^ 1)
+    tile_ids.index(slot).store(gl.full([1], tile_id, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    release(tile_ready, n, QUEUE)
+
+
+@gluon.jit
+def _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE: gl.constexpr, WARPS: gl.constexpr):
+    """The tile number in slot ``n % QUEUE`` of the queue (-1: no more)."""
+    slot = n % QUEUE
+    mbarrier.wait(tile_ready.index(slot), (n // QUEUE) & 1)
+    tile_id = gl.max(tile_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+    release(tile_empty, n, QUEUE)
+    return tile_id
 
 
 @gluon.jit
@@ -101,51 +141,21 @@ def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, til
 
 
 @gluon.jit
-def _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, WARPS: gl.constexpr):
-    """Hand tile number ``tile_id`` (-1: no more) to the compute partition through slot ``n % 2`` of the queue."""
-    slot = n % 2
-    mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1)
-    tile_ids.index(slot).store(gl.full([1], tile_id, gl.int32, gl.BlockedLayout([1], [32], [WARPS], [0])))
-    release(tile_ready, n, 2)
-
-
-@gluon.jit
-def _take_tile(tile_ids, tile_ready, tile_empty, n, WARPS: gl.constexpr):
-    """The tile number the loader put in slot ``n % 2`` of the queue (-1: no more)."""
-    slot = n % 2
-    mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
-    tile_id = gl.max(tile_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
-    release(tile_empty, n, 2)
-    return tile_id
-
-
-@gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, counter_ptr,
-            offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
+            total_tiles, tiles_k, tiles_n,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
-    """TMA loads of every row block of every tile of this program, into the stage ring.
-
-    BY_WORK: tiles are drawn one at a time from a counter over all programs, groups largest first,
-    and each drawn tile's number is queued for the compute partition; otherwise a program takes every
-    ``num_programs``-th tile in group order."""
+            STAGES: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr):
+    """One warp: TMA loads of every row block of every tile of this program, into the stage ring. The
+    tiles are those the scheduler queues (BY_WORK), or every ``num_programs``-th tile in group order."""
     step = 0
     if BY_WORK:
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        e = gl.arange(0, E_POW2, layout=layout)
-        rank = _size_ranks(offsets_ptr, E, M, E_POW2, WARPS)
-        tiles_per_group = tiles_k * tiles_n
         n = 0
-        drawn = gl.atomic_add(counter_ptr, 1)
-        while drawn < total_tiles:
-            group = gl.sum(gl.where(rank == drawn // tiles_per_group, e, 0), axis=0)
-            tile_id = group * tiles_per_group + drawn % tiles_per_group
-            _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, WARPS)
+        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
+        while tile_id >= 0:
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
                               tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)
             n += 1
-            drawn = gl.atomic_add(counter_ptr, 1)
-        _post_tile(tile_ids, tile_ready, tile_empty, n, -1, WARPS)
+            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
@@ -226,18 +236,19 @@ def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs
 def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
              tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, BY_WORK: gl.constexpr, num_warps: gl.constexpr):
-    """The default partition: every tile of this program, in the order the loader takes them."""
+             STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr,
+             num_warps: gl.constexpr):
+    """The default partition: every tile of this program, in the loader's order."""
     step = 0
     if BY_WORK:
         n = 0
-        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, num_warps)
+        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
         while tile_id >= 0:
             step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
                                  empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
                                  BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)
             n += 1
-            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, num_warps)
+            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
@@ -246,46 +257,36 @@ def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_s
     tma.store_wait(pendings=0)
 
 
-@gluon.constexpr_function
-def _loader_warps(BY_WORK):
-    """The by-work loader keeps the groups' ranks in registers: a warpgroup spreads them over 128 threads."""
-    return 4 if BY_WORK else 1
-
-
-@gluon.constexpr_function
-def _loader_registers(BY_WORK):
-    return 40 if BY_WORK else 24
-
-
 @gluon.jit
 def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, offsets_ptr, counter_ptr,
                             M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-                            BY_WORK: gl.constexpr, E_POW2: gl.constexpr, num_warps: gl.constexpr):
+                            BY_WORK: gl.constexpr, E_POW2: gl.constexpr, QUEUE: gl.constexpr,
+                            num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_K, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], c_desc.dtype))
     ready, empty = stage_barriers(STAGES)
-    # The queue of drawn tile numbers, loader to compute (BY_WORK only): two slots.
-    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_ready, tile_empty = stage_barriers(2)
+    # The queue of drawn tile numbers (BY_WORK): a slot is free again once the loader and the compute
+    # partition have both read it.
+    tile_ids = gl.allocate_shared_memory(gl.int32, [QUEUE, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready, tile_empty = stage_barriers(QUEUE, readers=2)
 
     tiles_k = gl.cdiv(K, BLOCK_K)
     tiles_n = gl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_k * tiles_n
-    loader_warps: gl.constexpr = _loader_warps(BY_WORK)
-    loader_registers: gl.constexpr = _loader_registers(BY_WORK)
     gl.warp_specialize([
         (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
                     tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
-                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, counter_ptr,
-                   offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
-                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, E_POW2, loader_warps)),
-    ], [loader_warps], [loader_registers])
+                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, QUEUE, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
+                   total_tiles, tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, QUEUE)),
+        (_scheduler, (tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
+                      BY_WORK, E_POW2, QUEUE)),
+    ], [1, 1], [24, 48])
 
 
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
@@ -305,5 +306,5 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
                                   c, flags if flags is not None else offsets, c.stride(0), c.stride(1),
                                   offsets, counter, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
                                   GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate,
-                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E),
+                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E), QUEUE=3,
                                   num_warps=config.num_warps)
