@@ -129,7 +129,7 @@ def main() -> None:
     print("\nTFLOP/s; best gluon / dense, / torch, / best triton; best by-work gluon (_bw) / best other gluon")
     for r in rows:
         v = [k for k in r if k not in ("shape", "p", "dense", "torch")]
-        gl_best = max(r[k] for k in v if k.startswith("gl")); tri = max(r[k] for k in v if k.startswith("tri"))
+        gl_best = max(r[k] for k in v if k.startswith("gl")); tri = max((r[k] for k in v if k.startswith("tri")), default=float("nan"))
         by_work = [r[k] for k in v if k.startswith("gl") and k.endswith("_bw")]
         static = max(r[k] for k in v if k.startswith("gl") and not k.endswith("_bw"))
         print(f"{r['shape']:22s} {r['p']:6s} dense {r['dense']:4.0f} torch {r['torch']:4.0f} "

@@ -36,6 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
 
+# By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
+QUEUE = 3
+
 
 @gluon.jit
 def _tile_of(tile_id, tiles_k, tiles_n, GROUP_M: gl.constexpr):
@@ -306,5 +309,5 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
                                   c, flags if flags is not None else offsets, c.stride(0), c.stride(1),
                                   offsets, counter, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
                                   GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate,
-                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E), QUEUE=3,
+                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E), QUEUE=QUEUE,
                                   num_warps=config.num_warps)
