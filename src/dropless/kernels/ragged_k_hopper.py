@@ -17,6 +17,15 @@ again a whole tile later.
 The last row block of a group is partial: TMA reads whole blocks, so the rows past the group's end
 (another group's, or unrouted rows that may hold anything) are zeroed in shared memory, in both
 operands, before that block's MMA.
+
+Each output tile's work is its group's row count, so with skewed routing the tiles of one big group
+can be a few times longer than the rest. With a static schedule (program p takes every
+num_programs-th tile) the programs that drew them finish long after the others. The by-work schedule
+(``config.by_work``) hands tiles out one at a time from a counter shared by all programs, largest
+groups first: a program that drew a long tile draws nothing more until it is done, and the short
+tiles at the end fill the gaps. A scheduler warp draws each program's next tile while the current one
+runs and queues its number for the loader and the compute warps, so the counter's latency stays off
+their path.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from dropless.kernels.config import GemmConfig
 from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
-QUEUE = 3
+QUEUE = 2
 
 
 @gluon.jit
