@@ -3,7 +3,8 @@
     python benchmarks/probe_kernels.py [SHAPE/ROUTING,...] [PASS,...]
 
 PASS is fwd_nk (nn.Linear-layout weights), fwd_kn, dgrad, wgrad (into an nn.Linear-layout dw) or
-wgrad_acc (added into an fp32 nn.Linear-layout main_grad). Every result is checked against
+wgrad_acc (added into an fp32 nn.Linear-layout main_grad). QUEUE=n in the environment sets the by-work
+wgrad's queue depth (ragged_k_hopper.QUEUE). Every result is checked against
 torch._grouped_mm first. Prints TFLOP/s per config and writes probe_gluon.json to $OUT (or /tmp).
 Used for the kernel notes in benchmarks/NOTES.md; `python -m dropless.bench gemm` is the benchmark.
 """
@@ -35,6 +36,8 @@ M_VARIANTS = {
     "tri_flat4": G(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
     "tri_ws": G(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
     "gl_s3": G(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
+    "gl_s3_g4": G(128, 256, 64, group_m=4, num_warps=8, num_stages=3, gluon=True),
+    "gl_s3_g16": G(128, 256, 64, group_m=16, num_warps=8, num_stages=3, gluon=True),
     "gl_k32s6": G(128, 256, 32, num_warps=8, num_stages=6, gluon=True),
 }
 ACC_VARIANTS = {
@@ -59,6 +62,9 @@ def rel(a, b): return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main() -> None:
+    if "QUEUE" in os.environ:
+        from dropless.kernels import ragged_k_hopper
+        ragged_k_hopper.QUEUE = int(os.environ["QUEUE"])
     which = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else [
         f"{s}/{r}" for s in SHAPES for r in ("balanced", "skewed")]
     passes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["fwd_nk", "fwd_kn", "dgrad", "wgrad"]
