@@ -53,20 +53,13 @@ def _pick(values, index, layout: gl.constexpr, E_POW2: gl.constexpr):
     return gl.sum(gl.where(gl.arange(0, E_POW2, layout=layout) == index, values, 0), axis=0)
 
 
-@gluon.constexpr_function
-def _table_layout(E_POW2, WARPS):
-    """Every warp holds the whole group table, so looking a tile up reduces within a warp (shuffles)
-    rather than across warps through shared memory and a barrier."""
-    return gl.BlockedLayout([min(max(1, E_POW2 // 32), 8)], [32], [WARPS], [0])
-
-
 @gluon.jit
 def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
                  WARPS: gl.constexpr):
     """Row ranges ``[starts, ends)`` of the groups (entry E: the unrouted tail) and the running total
     of their tiles, as ``[E_POW2]`` vectors. Bounds are clamped into ``[0, M]`` and made
     non-decreasing, so malformed offsets can neither address outside the operands nor overlap."""
-    layout: gl.constexpr = _table_layout(E_POW2, WARPS)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     e = gl.arange(0, E_POW2, layout=layout)
     ends = gl.load(offsets_ptr + e, mask=e < E, other=M)
     ends = gl.associative_scan(gl.minimum(gl.maximum(ends, 0), M), 0, _scan_max)
@@ -82,7 +75,7 @@ def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
     """Tile number -> (group, first row, group end, first column)."""
-    layout: gl.constexpr = _table_layout(E_POW2, WARPS)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     group = gl.sum((tiles_end <= tile_id).to(gl.int32), axis=0)
     start = _pick(starts, group, layout, E_POW2)
     end = _pick(ends, group, layout, E_POW2)
