@@ -36,6 +36,27 @@ def raster(local_tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def scan_max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def group_bounds(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Row ranges ``[starts, ends)`` of the groups as ``[E_POW2]`` vectors spread over WARPS warps.
+    Entry E (if E_POW2 > E) is the unrouted tail ``[offsets[E-1], M)``; entries past it are empty.
+    Bounds are clamped into ``[0, M]`` and made non-decreasing, so malformed offsets can neither
+    address outside the operands nor make groups overlap."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    e = gl.arange(0, E_POW2, layout=layout)
+    ends = gl.load(offsets_ptr + e, mask=e < E, other=M)
+    ends = gl.associative_scan(gl.minimum(gl.maximum(ends, 0), M), 0, scan_max)
+    starts = gl.load(offsets_ptr + e - 1, mask=(e > 0) & (e <= E), other=0)
+    starts = gl.associative_scan(gl.minimum(gl.maximum(starts, 0), M), 0, scan_max)
+    starts = gl.where(e > E, M, starts)
+    return starts, gl.maximum(ends, starts)
+
+
+@gluon.jit
 def stage_barriers(STAGES: gl.constexpr, readers: gl.constexpr = 1):
     """Per stage of a ring, a ``ready`` barrier (it was filled) and an ``empty`` one (each of its
     ``readers`` partitions is done with it)."""

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
+from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
 QUEUE = 2
@@ -68,15 +68,12 @@ def _group_rows(offsets_ptr, group, M):
 
 
 @gluon.jit
-def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr):
     """Each group's place when groups are taken largest first (ties: lower index first), as an
-    ``[E_POW2]`` vector, -1 from entry E on. Sizes are the clamped row ranges."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    e = gl.arange(0, E_POW2, layout=layout)
-    ends = gl.associative_scan(gl.minimum(gl.maximum(gl.load(offsets_ptr + e, mask=e < E, other=0), 0), M), 0,
-                               _scan_max)
-    starts = gl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
-    starts = gl.associative_scan(gl.minimum(gl.maximum(starts, 0), M), 0, _scan_max)
+    ``[E_POW2]`` vector over one warp, -1 from entry E on. Sizes are the clamped row ranges of
+    ``hopper.group_bounds``, which the loop over the groups recomputes one scalar at a time."""
+    e = gl.arange(0, E_POW2, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, 1)
     sizes = ends - starts
     rank = gl.zeros_like(e)
     done = M - M
@@ -89,11 +86,6 @@ def _size_ranks(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _scan_max(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
 def _scheduler(tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
                BY_WORK: gl.constexpr, E_POW2: gl.constexpr, QUEUE: gl.constexpr):
     """One warp (BY_WORK only): draws tiles one at a time from a counter shared by all programs, groups
@@ -102,7 +94,7 @@ def _scheduler(tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E,
     if BY_WORK:
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         e = gl.arange(0, E_POW2, layout=layout)
-        rank = _size_ranks(offsets_ptr, E, M, E_POW2, 1)
+        rank = _size_ranks(offsets_ptr, E, M, E_POW2)
         tiles_per_group = tiles_k * tiles_n
         n = 0
         drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")

@@ -29,17 +29,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.hopper import descriptor, raster, release, stage_barriers
+from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
 from dropless.kernels.launch import weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
 # it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)
-
-
-@gluon.jit
-def _scan_max(a, b):
-    return gl.maximum(a, b)
 
 
 @gluon.jit
@@ -56,17 +51,9 @@ def _pick(values, index, layout: gl.constexpr, E_POW2: gl.constexpr):
 @gluon.jit
 def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
                  WARPS: gl.constexpr):
-    """Row ranges ``[starts, ends)`` of the groups (entry E: the unrouted tail) and the running total
-    of their tiles, as ``[E_POW2]`` vectors. Bounds are clamped into ``[0, M]`` and made
-    non-decreasing, so malformed offsets can neither address outside the operands nor overlap."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    e = gl.arange(0, E_POW2, layout=layout)
-    ends = gl.load(offsets_ptr + e, mask=e < E, other=M)
-    ends = gl.associative_scan(gl.minimum(gl.maximum(ends, 0), M), 0, _scan_max)
-    starts = gl.load(offsets_ptr + e - 1, mask=(e > 0) & (e <= E), other=0)
-    starts = gl.associative_scan(gl.minimum(gl.maximum(starts, 0), M), 0, _scan_max)
-    starts = gl.where(e > E, M, starts)
-    ends = gl.maximum(ends, starts)
+    """Row ranges ``[starts, ends)`` of the groups (``hopper.group_bounds``; entry E: the unrouted
+    tail) and the running total of their tiles, as ``[E_POW2]`` vectors."""
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, WARPS)
     tiles = gl.cdiv(ends - starts, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     return starts, ends, tiles, gl.associative_scan(tiles, 0, _scan_add)
 
