@@ -25,6 +25,7 @@ from conftest import (
 import dropless
 from dropless import reference
 from dropless.kernels import launch, tuning
+from dropless.kernels.config import GemmConfig
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE, ragged_k_mm
 from dropless.kernels.ragged_m import ragged_m_mm
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
@@ -363,3 +364,18 @@ def test_tma_ok():
     assert not launch.LaunchInfo.tma_ok(torch.empty(8, 3, device=DEVICE))  # 12-byte rows
     assert not launch.LaunchInfo.tma_ok(torch.empty(16, 8, device=DEVICE).t())  # non-unit last stride
     assert not launch.LaunchInfo.tma_ok(torch.empty(8, 20, device=DEVICE)[:, 1:17])  # misaligned base
+
+
+def test_hopper_ragged_m_output_staging():
+    """3 stages leave room for the whole output tile, 4 only for half (the other half goes out through
+    a stage's weight buffer, which must hold it); a config that fits neither way is refused by name."""
+    from dropless.kernels.ragged_m_hopper import output_in_halves
+
+    assert not output_in_halves(GemmConfig(128, 256, 64, num_stages=3), 2)
+    assert output_in_halves(GemmConfig(128, 256, 64, num_stages=4), 2)
+    with pytest.raises(ValueError, match="128x256x32.* does not fit"):
+        output_in_halves(GemmConfig(128, 256, 32, num_stages=8), 2)  # the weight buffer holds a quarter tile
+    with pytest.raises(ValueError, match="does not fit"):
+        output_in_halves(GemmConfig(128, 256, 64, num_stages=5), 2)
+    for config in tuning.hopper_candidates()["ragged_m"]:
+        output_in_halves(config, 2)

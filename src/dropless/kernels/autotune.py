@@ -3,7 +3,7 @@
 A problem class is (kernel, device, dtype, layout, K, N, E, M rounded up to a power of two). Tuning
 runs real launches on scratch outputs, so it never touches the caller's tensors, and it never runs
 while a CUDA graph is being captured: a class first seen under capture takes the default config.
-Each candidate is timed in two interleaved rounds and keeps its better median; the preferred config
+Each candidate is timed in two interleaved rounds and keeps its better median; the default config
 stays unless another candidate is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the
 default.
 """
@@ -23,7 +23,7 @@ from dropless.kernels.launch import interpreting
 
 MIN_TUNED_FLOPS = 2**30
 TUNING_ROUNDS = 2
-DEFAULT_MARGIN = 0.03  # another config must beat the preferred one by this fraction to replace it
+DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction to replace it
 
 
 def problem_class(*parts: Hashable, M: int) -> tuple:
@@ -34,18 +34,16 @@ def problem_class(*parts: Hashable, M: int) -> tuple:
 class Autotuner:
     """Chooses among ``candidates`` for each problem class; ``default`` wherever it cannot time.
 
-    When it times, ``preferred`` (the default if not given) is kept unless another candidate is more
-    than ``DEFAULT_MARGIN`` faster: a class is timed on the group sizes of its first call, and the
-    preferred config is the one that holds up under other routings.
+    When it times, the default is kept unless another candidate is more than ``DEFAULT_MARGIN``
+    faster: a class is timed on the group sizes of its first call, and the default is the config
+    that holds up under other routings.
     """
 
     def __init__(self, name: str, candidates: Sequence[GemmConfig], default: GemmConfig,
-                 small_default: GemmConfig | None = None, interpreter_config: GemmConfig | None = None,
-                 preferred: GemmConfig | None = None) -> None:
+                 small_default: GemmConfig | None = None, interpreter_config: GemmConfig | None = None) -> None:
         self.name = name
         self.candidates = list(candidates)
         self.default = default
-        self.preferred = preferred
         # For 4-byte operands (fits the shared memory) and for the interpreter; the default where a
         # tuner never sees those (the Hopper kernels take 16-bit CUDA operands only).
         self.small_default = small_default or default
@@ -87,8 +85,7 @@ class Autotuner:
             raise RuntimeError(f"{self.name}: no tile configuration compiled for {key}") from next(
                 iter(failed.values()))
         best = min(timings, key=timings.get)
-        keep = self.preferred or default
-        if keep in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[keep]:
-            best = keep
+        if default in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[default]:
+            best = default
         self.cache[key] = best
         return best

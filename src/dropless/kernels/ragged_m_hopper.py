@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
+from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, raster, release, stage_barriers
 from dropless.kernels.launch import weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
@@ -100,15 +100,32 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, 
 
 
 @gluon.jit
+def _store_from(c_desc, buffer, block, row0, col0):
+    """An asynchronous TMA store of ``block`` at ``[row0, col0]`` through the free shared buffer ``buffer``."""
+    buffer.store(block)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(c_desc, [row0, col0], buffer)
+
+
+@gluon.jit
 def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-             STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, num_warps: gl.constexpr):
-    """The default partition: the MMAs of each tile, then its epilogue."""
+             STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, EPI_HALVES: gl.constexpr,
+             num_warps: gl.constexpr):
+    """The default partition: the MMAs of each tile, then its epilogue.
+
+    With EPI_HALVES, ``c_smem`` holds half a tile: a whole tile leaves in two halves of columns, the
+    left through ``c_smem``, the right through the weight buffer of the tile's last stage. That stage
+    goes back to the loader only after the next tile's first MMA is issued, once the store has read it,
+    so neither half waits for the other.
+    """
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
     total_tiles = gl.sum(tiles, axis=0)
     step = 0
+    held = False  # the previous tile's last stage is still being read by its store
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                          GROUP_M, E_POW2, num_warps)
@@ -124,18 +141,40 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             if k0 > 0:
                 release(empty, step - 1, STAGES)
+            elif held:
+                tma.store_wait(pendings=0)
+                release(empty, step - 1, STAGES)
+                held = False
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if k_end > 0:
-            release(empty, step - 1, STAGES)
-        out = acc.to(c_desc.dtype)
-        if row0 + BLOCK_M <= end:
-            # The previous tile's store must have read c_smem before it is overwritten.
+        if held:
+            # This tile loaded nothing (the unrouted tail), so the stage is returned here.
             tma.store_wait(pendings=0)
-            c_smem.store(out)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_smem)
+            release(empty, step - 1, STAGES)
+            held = False
+        whole = row0 + BLOCK_M <= end
+        if k_end > 0:
+            if not EPI_HALVES:
+                release(empty, step - 1, STAGES)
+            elif not whole:
+                release(empty, step - 1, STAGES)
+        out = acc.to(c_desc.dtype)
+        if whole:
+            # The previous tile's stores must have read c_smem before it is overwritten.
+            tma.store_wait(pendings=0)
+            if EPI_HALVES:
+                left, right = out.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
+                _store_from(c_desc, c_smem, left, row0, col0)
+                if k_end > 0:
+                    last = b_bufs.index((step - 1) % STAGES)._reinterpret(c_desc.dtype, c_desc.block_type.shape,
+                                                                          c_desc.layout)
+                    _store_from(c_desc, last, right, row0, col0 + BLOCK_N // 2)
+                    held = True
+                else:
+                    tma.store_wait(pendings=0)
+                    _store_from(c_desc, c_smem, right, row0, col0 + BLOCK_N // 2)
+            else:
+                _store_from(c_desc, c_smem, out, row0, col0)
         else:
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -154,20 +193,34 @@ def _b_block(BLOCK_K, BLOCK_N, B_NK):
 def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_ptr, M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
-                            B_NK: gl.constexpr, num_warps: gl.constexpr):
+                            B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_block: gl.constexpr = _b_block(BLOCK_K, BLOCK_N, B_NK)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, b_block[0], b_block[1]],
                                        gl.NVMMASharedLayout.get_default_for(b_block, dtype))
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
     ready, empty = stage_barriers(STAGES)
     gl.warp_specialize([
         (_compute, (c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, num_warps)),
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
     ], [LOADER_WARPS], [40])
+
+
+def output_in_halves(config: GemmConfig, element_size: int) -> bool:
+    """Whether the output tile leaves in two halves of columns: the whole tile's staging buffer does not
+    fit in shared memory beside the stage ring, half of it does, and a stage's weight buffer holds the
+    other half. ValueError if the config fits neither way."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    ring = config.num_stages * (bm + bn) * bk * element_size
+    tile = bm * bn * element_size
+    if ring + tile <= SHARED_MEMORY_BYTES:
+        return False
+    if ring + tile // 2 <= SHARED_MEMORY_BYTES and 2 * bk >= bm:
+        return True
+    raise ValueError(f"tile config {config} does not fit in shared memory ({ring + tile // 2} bytes or more)")
 
 
 def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
@@ -177,11 +230,13 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     M, K = a.shape
     E, _, N = b.shape
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    halves = output_in_halves(config, a.element_size())
     b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
-    _ragged_m_hopper_kernel[grid](descriptor(a, [bm, bk]), b_desc, descriptor(c, [bm, bn]), c, c.stride(0),
-                                  offsets, M, N, K, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-                                  STAGES=config.num_stages, E_POW2=triton.next_power_of_2(E + 1), B_NK=b_nk,
+    _ragged_m_hopper_kernel[grid](descriptor(a, [bm, bk]), b_desc, descriptor(c, [bm, bn // 2 if halves else bn]), c,
+                                  c.stride(0), offsets, M, N, K, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  GROUP_M=config.group_m, STAGES=config.num_stages,
+                                  E_POW2=triton.next_power_of_2(E + 1), B_NK=b_nk, EPI_HALVES=halves,
                                   num_warps=config.num_warps)

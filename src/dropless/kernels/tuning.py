@@ -47,22 +47,19 @@ _RAGGED_K = Autotuner(
 )
 
 
-# On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel and the Triton
-# winners. With balanced routing the flattened Triton kernel is 0-7% faster at short K (qwen3), the
-# Gluon one equal at long K; with skewed routing the Gluon one is up to 18% faster at long K (dsv3-up,
-# benchmarks/results/probes). So the Gluon kernel is preferred: a class timed on balanced
-# routing keeps it unless Triton is clearly ahead. Untimed calls take the flattened Triton kernel.
+# On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel, with 3 stages and
+# the whole output tile staged in shared memory, or 4 stages and the tile leaving in halves. Neither
+# wins everywhere (4 stages: 1.03-1.10x at mixtral and with balanced routing at qwen3, 0.88-0.99x at
+# dsv3 and gpt-oss), so both are timed and 3 stages stays unless 4 are clearly faster. The Triton
+# kernels were 0.86-1.00x the better Gluon one on every balanced row, where classes are timed
+# (benchmarks/NOTES.md, v5), and are not candidates here.
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
-        GemmConfig(128, 256, 32, num_warps=8, num_stages=6, gluon=True),
-        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
-        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
-        GemmConfig(128, 128, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, gluon=True),
     ],
-    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
-    preferred=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
 
 # On Hopper, 16-bit operands written without accumulation: the Gluon kernel, 1.0-1.3x the best Triton
