@@ -50,9 +50,10 @@ _RAGGED_K = Autotuner(
 # On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel, with 3 stages and
 # the whole output tile staged in shared memory, or 4 stages and the tile leaving in halves. Neither
 # wins everywhere (4 stages: 1.03-1.10x at mixtral and with balanced routing at qwen3, 0.88-0.99x at
-# dsv3 and gpt-oss), so both are timed and 3 stages stays unless 4 are clearly faster. The Triton
-# kernels were 0.86-1.00x the better Gluon one on every balanced row, where classes are timed
-# (benchmarks/NOTES.md, v5), and are not candidates here.
+# dsv3 and gpt-oss), so both are timed and 3 stages stays unless 4 are clearly faster. The flattened
+# Triton kernel averaged 0.92-0.98x the better Gluon config over the 28 fwd/dgrad rows of two runs
+# (0.84-1.07x per row, its wins not repeating between runs: benchmarks/NOTES.md, v5), so it is not a
+# candidate here: fewer candidates, fewer choices decided by a noisy timing.
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
