@@ -3,14 +3,17 @@
 A problem class is (kernel, device, dtype, layout, K, N, E, M rounded up to a power of two). Tuning
 runs real launches on scratch outputs, so it never touches the caller's tensors, and it never runs
 while a CUDA graph is being captured: a class first seen under capture takes the default config.
-Each candidate is timed in two interleaved rounds and keeps its better median; the default config
-stays unless another candidate is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the
+Each candidate is timed in three interleaved rounds and keeps the median of its three medians (a
+GPU that starts cool runs its first timings at higher clocks than it holds under load, so the best
+round would favour whichever candidate ran first); the default config stays unless another candidate
+is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the
 default.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -22,7 +25,7 @@ from dropless.kernels.launch import interpreting
 
 
 MIN_TUNED_FLOPS = 2**30
-TUNING_ROUNDS = 2
+TUNING_ROUNDS = 3
 DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction to replace it
 
 
@@ -67,10 +70,10 @@ class Autotuner:
         if (os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or flops < MIN_TUNED_FLOPS
                 or torch.cuda.is_current_stream_capturing()):
             return default
-        timings: dict[GemmConfig, float] = {}
+        samples: dict[GemmConfig, list[float]] = {}
         failed: dict[GemmConfig, Exception] = {}
-        # Rounds over all candidates, each keeping its best median: a clock or neighbour slowdown
-        # during one candidate's turn does not decide the choice.
+        # Rounds over all candidates, each keeping the median of its rounds: a clock or neighbour
+        # slowdown (or a cool start) during one candidate's turn does not decide the choice.
         for _ in range(TUNING_ROUNDS):
             for config in self.candidates:
                 if config in failed:
@@ -80,10 +83,11 @@ class Autotuner:
                 except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
                     failed[config] = error
                     continue
-                timings[config] = min(median, timings.get(config, median))
-        if not timings:
+                samples.setdefault(config, []).append(median)
+        if not samples:
             raise RuntimeError(f"{self.name}: no tile configuration compiled for {key}") from next(
                 iter(failed.values()))
+        timings = {config: statistics.median(times) for config, times in samples.items()}
         best = min(timings, key=timings.get)
         if default in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[default]:
             best = default
