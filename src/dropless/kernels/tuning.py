@@ -48,17 +48,18 @@ _RAGGED_K = Autotuner(
 
 
 # On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel, with 3 stages and
-# the whole output tile staged in shared memory, or 4 stages and the tile leaving in halves. Neither
-# wins everywhere (4 stages: 1.03-1.10x at mixtral and with balanced routing at qwen3, 0.88-0.99x at
-# dsv3 and gpt-oss), so both are timed and 3 stages stays unless 4 are clearly faster. The flattened
-# Triton kernel averaged 0.92-0.98x the better Gluon config over the 28 fwd/dgrad rows of two runs
-# (0.84-1.07x per row, its wins not repeating between runs: benchmarks/NOTES.md, v5), so it is not a
-# candidate here: fewer candidates, fewer choices decided by a noisy timing.
+# the whole output tile staged in shared memory (the default) or with 4 stages and the tile leaving in
+# halves, and the two Triton configs that win some classes. 4 stages gain 3-11% at mixtral and with
+# balanced routing at qwen3 and lose up to 12% at dsv3 and gpt-oss; the Triton kernels are 0.84-1.07x
+# the better Gluon config per row, and chosen by the tuner for the Mixtral MoE layer's classes
+# (benchmarks/NOTES.md, v5). The 32-deep Gluon config and 128x128 Triton tiles never won and are gone.
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
         GemmConfig(128, 256, 64, num_warps=8, num_stages=4, gluon=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
     ],
     default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
