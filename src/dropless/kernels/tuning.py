@@ -49,10 +49,11 @@ _RAGGED_K = Autotuner(
 
 # On Hopper, 16-bit operands that TMA can read: the warp-specialized Gluon kernel, with 3 stages and
 # the whole output tile staged in shared memory (the default) or with 4 stages and the tile leaving in
-# halves, and the two Triton configs that win some classes. 4 stages gain 3-11% at mixtral and with
-# balanced routing at qwen3 and lose up to 12% at dsv3 and gpt-oss; the Triton kernels are 0.84-1.07x
-# the better Gluon config per row, and chosen by the tuner for the Mixtral MoE layer's classes
-# (benchmarks/NOTES.md, v5). The 32-deep Gluon config and 128x128 Triton tiles never won and are gone.
+# halves, and the two Triton configs that win some classes. In one probe run 4 stages were 1.07-1.09x
+# the 3 at mixtral, 1.00-1.12x at qwen3 and 0.93-1.06x at dsv3 and gpt-oss; the better Triton config
+# was 0.91-1.07x the better Gluon one (benchmarks/NOTES.md, v5), and the tuner picked the
+# warp-specialized one for two of the four Mixtral MoE classes. The 32-deep Gluon config (0.83-1.03x)
+# and the 128x128 Triton tiles (never picked in a benchmark run) are no longer candidates.
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
