@@ -153,6 +153,7 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
             release(empty, step - 1, STAGES)
             held = False
         whole = row0 + BLOCK_M <= end
+        # The tile's last stage goes back now, unless a whole tile's right half leaves through it.
         if k_end > 0:
             if not EPI_HALVES:
                 release(empty, step - 1, STAGES)
