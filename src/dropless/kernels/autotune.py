@@ -6,8 +6,7 @@ while a CUDA graph is being captured: a class first seen under capture takes the
 Each candidate is timed in three interleaved rounds and keeps the median of its three medians (a
 GPU that starts cool runs its first timings at higher clocks than it holds under load, so the best
 round would favour whichever candidate ran first); the default config stays unless another candidate
-is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the
-default.
+is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the default.
 """
 
 from __future__ import annotations
