@@ -3,22 +3,20 @@
     DROPLESS_AUTOTUNE=0 python benchmarks/probe_host.py
 
 Each line: microseconds of host time per call, averaged over 40 calls enqueued behind ~15 ms of GPU
-work (so no launch waits for the GPU). Then the same for a few layers with the TMA descriptors
-memoized, and a cProfile of the Gluon ragged-M launcher. Used for benchmarks/NOTES.md (v5).
+work (so no launch waits for the GPU). The fwd+bwd steps run once through the eager path
+(``dropless.grouped_mm``: the implementations without the dispatcher, ``ops.direct``) and once
+through the ``torch.library`` custom op; then a cProfile of the raw Gluon launch. Used for
+benchmarks/NOTES.md (v5, v6).
 """
-import time
-import numpy as np, torch, triton
+import cProfile, io, pstats, sys, time
+import numpy as np, torch
 import dropless
 from dropless.bench.routing import group_sizes
-import sys
-import dropless.ops.grouped_mm
-ops = sys.modules["dropless.ops.grouped_mm"]
-from dropless.ops.checks import resolve_offsets, validate_offsets
 from dropless.kernels import ragged_m_hopper as rmh
 from dropless.kernels.tuning import run_ragged_m, run_ragged_k
 from dropless.kernels.hopper import descriptor
 from dropless.kernels.config import GemmConfig as G
-from dropless.kernels import launch
+ops = sys.modules["dropless.ops.grouped_mm"]
 E, M, K, N = 128, 65536, 768, 2048
 offs = torch.tensor(np.cumsum(group_sizes(E, M, "balanced")), dtype=torch.int32, device="cuda")
 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -27,8 +25,10 @@ dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
 xd, wd = x.detach(), w.detach()
 y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 cfg = G(128, 256, 64, num_warps=8, num_stages=3, gluon=True)
-nsm = 132
+nsm = torch.cuda.get_device_properties(0).multi_processor_count
 big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+
 def host_us(f, n=40):
     f(); torch.cuda.synchronize()
     for _ in range(12): big @ big   # ~15 ms of GPU work queued ahead
@@ -36,45 +36,45 @@ def host_us(f, n=40):
     for _ in range(n): f()
     dt = (time.perf_counter() - t) / n * 1e6
     torch.cuda.synchronize(); return dt
+
+
 a_desc = descriptor(xd, [128, 64]); b_desc = descriptor(wd, [1, 64, 256]); c_desc = descriptor(y, [128, 256])
+
+
 def raw():
     rmh._ragged_m_hopper_kernel[(nsm,)](a_desc, b_desc, c_desc, y, y.stride(0), offs, M, N, K, E, BLOCK_M=128, BLOCK_N=256,
         BLOCK_K=64, GROUP_M=8, STAGES=3, E_POW2=256, B_NK=False, EPI_HALVES=False, num_warps=8)
-def step():
-    out = dropless.grouped_mm(x, w, offs)
+
+
+def step(mm):
+    out = mm(x, w, offs)
     return torch.autograd.grad(out, (x, w), dy)
+
+
+def torch_mm(a, b, offsets):
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
 parts = {
     "torch.empty": lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16),
     "3 descriptors": lambda: (descriptor(xd, [128, 64]), descriptor(wd, [1, 64, 256]), descriptor(y, [128, 256])),
     "raw gluon launch": raw,
     "ragged_m_mm_hopper": lambda: rmh.ragged_m_mm_hopper(xd, wd, offs, y, cfg, nsm),
     "run_ragged_m": lambda: run_ragged_m(xd, wd, offs, y),
-    "launch_info": lambda: launch.launch_info(xd.device),
-    "resolve+validate offsets": lambda: validate_offsets(resolve_offsets(offs, None, E, xd.device), M),
-    "custom op _grouped_mm": lambda: ops._grouped_mm(xd, wd, offs),
+    "implementation ops._forward": lambda: ops._forward(xd, wd, offs),
+    "custom op (no grad)": lambda: torch.ops.dropless.grouped_mm(xd, wd, offs),
     "dropless.grouped_mm (no grad)": lambda: dropless.grouped_mm(xd, wd, offs),
     "dropless.grouped_mm (grad)": lambda: dropless.grouped_mm(x, w, offs),
     "grouped_mm_wgrad": lambda: dropless.grouped_mm_wgrad(xd, dy, offs),
     "run_ragged_k": lambda: run_ragged_k(xd, dy, offs, torch.empty(E, K, N, device="cuda", dtype=torch.bfloat16), 0, None),
-    "fwd+bwd step": step,
+    "fwd+bwd step, eager path": lambda: step(dropless.grouped_mm),
+    "fwd+bwd step, custom op": lambda: step(torch.ops.dropless.grouped_mm),
     "torch._grouped_mm": lambda: torch._grouped_mm(xd, wd, offs=offs),
+    "torch._grouped_mm fwd+bwd step": lambda: step(torch_mm),
 }
 for k, f in parts.items():
     print(f"{k:32s} {host_us(f):8.1f} us", flush=True)
-import functools
-memo = {}
-def cached_descriptor(t, block_shape):
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, tuple(block_shape))
-    d = memo.get(key)
-    if d is None:
-        d = memo[key] = descriptor(t, block_shape)
-    return d
-rmh.descriptor = cached_descriptor
-print("with memoized descriptors:")
-for k in ("ragged_m_mm_hopper", "run_ragged_m", "dropless.grouped_mm (no grad)", "fwd+bwd step"):
-    print(f"{k:32s} {host_us(parts[k]):8.1f} us", flush=True)
-import cProfile, pstats, io
 pr = cProfile.Profile(); pr.enable()
-for _ in range(50): rmh.ragged_m_mm_hopper(xd, wd, offs, y, cfg, nsm)
+for _ in range(50): raw()
 pr.disable(); torch.cuda.synchronize()
-st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(12); print(st.getvalue()[:3000])
+st = io.StringIO(); pstats.Stats(pr, stream=st).sort_stats("tottime").print_stats(14); print(st.getvalue()[:3500])

@@ -8,6 +8,8 @@ They are written against Triton 3.6's Gluon; ``launch.hopper_kernels_ok`` says w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -21,8 +23,14 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 2048
 
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     """A TMA descriptor of ``t`` (unit last stride) loading ``block_shape`` blocks into swizzled shared memory."""
-    layout = gl.NVMMASharedLayout.get_default_for(block_shape, GL_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block_shape, layout)
+    return TensorDescriptor.from_tensor(t, block_shape, _shared_layout(tuple(block_shape), t.dtype))
+
+
+@functools.cache
+def _shared_layout(block_shape: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The swizzled layout of ``block_shape`` blocks, computed once per shape and dtype (it costs as much
+    host time as the rest of a descriptor)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[dtype])
 
 
 @gluon.jit

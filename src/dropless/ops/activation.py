@@ -4,7 +4,8 @@
 stacked along the output dimension): ``gate = h[:, :F]``, ``up = h[:, F:]``. Both functions are one
 ``torch.library`` custom op, ``dropless::glu``, with the activation as an argument, a fake
 implementation (``torch.compile`` traces through it) and a registered backward, itself the custom op
-``dropless::glu_backward``. The backward recomputes the activation from h: h is saved, not ``a``.
+``dropless::glu_backward``; eager calls on plain tensors skip the dispatcher (``ops.direct``). The
+backward recomputes the activation from h: h is saved, not ``a``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dropless import reference
 from dropless.backend import use_triton
 from dropless.kernels.swiglu import glu_backward, glu_forward
 from dropless.ops.checks import REFERENCE_DTYPES, TRITON_DTYPES, check_matrix, check_tensor
+from dropless.ops.direct import DirectOp
 
 
-@torch.library.custom_op("dropless::glu", mutates_args=())
 def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
     if not use_triton(h.device):
         return reference.glu(h, activation)
@@ -26,12 +27,10 @@ def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
     return a
 
 
-@_glu.register_fake
-def _(h: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_fake(h: torch.Tensor, activation: str) -> torch.Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-@torch.library.custom_op("dropless::glu_backward", mutates_args=())
 def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
     """``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]`` in h's dtype."""
     if not use_triton(h.device):
@@ -41,8 +40,7 @@ def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.T
     return dh
 
 
-@_glu_backward.register_fake
-def _(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
     return h.new_empty(h.shape)
 
 
@@ -54,10 +52,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, da: torch.Tensor):
     (h,) = ctx.saved_tensors
-    return _glu_backward(h, da, ctx.activation), None
+    return _GLU_BACKWARD(h, da, ctx.activation), None
 
 
-_glu.register_autograd(_backward, setup_context=_setup_context)
+_GLU = DirectOp.define("glu", _glu, _glu_fake, backward=_backward, setup_context=_setup_context)
+_GLU_BACKWARD = DirectOp.define("glu_backward", _glu_backward, _glu_backward_fake)
 
 
 def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -66,7 +65,7 @@ def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
     if h.shape[1] % 2:
         raise ValueError(f"h must have an even last dimension 2F (the gate and up halves, [M, 2F]), "
                          f"got shape {tuple(h.shape)}")
-    return _glu(h, activation)
+    return _GLU(h, activation)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Grouped GEMM ops: ``grouped_mm`` (ragged M, differentiable) and ``grouped_mm_wgrad`` (ragged K).
 
 Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through
-them, and neither reads the group boundaries on the host when it runs on the Triton backend.
+them; eager calls on plain tensors run the same implementations without the dispatcher
+(``ops.direct``). Neither reads the group boundaries on the host when it runs on the Triton backend.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from dropless.ops.checks import (
     resolve_offsets,
     validate_offsets,
 )
+from dropless.ops.direct import DirectOp
 
 
-@torch.library.custom_op("dropless::grouped_mm", mutates_args=())
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if not use_triton(x.device):
         return reference.grouped_mm(x, w, offsets)
     y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
@@ -36,14 +37,7 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return y
 
 
-@_grouped_mm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-@torch.library.custom_op("dropless::grouped_mm_wgrad", mutates_args=())
-def _grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
-                      transposed: bool) -> torch.Tensor:
+def _wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``dw [E, K, N]`` in x's dtype, or its transpose ``[E, N, K]`` (contiguous) if ``transposed``."""
     E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
     if not use_triton(x.device):
@@ -54,27 +48,14 @@ def _grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     return dw
 
 
-@_grouped_mm_wgrad.register_fake
-def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
-    return x.new_empty((E, N, K) if transposed else (E, K, N))
-
-
-@torch.library.custom_op("dropless::grouped_mm_wgrad_into", mutates_args=("out",))
-def _grouped_mm_wgrad_into(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-                           flags: torch.Tensor | None, accumulate: bool) -> None:
+def _wgrad_into(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                flags: torch.Tensor | None, accumulate: bool) -> None:
     if not use_triton(x.device):
         dw = reference.grouped_mm_wgrad(x, dy, offsets)
         reference.accumulate_into(out, dw, flags if flags is not None else accumulate)
         return
     mode = ACCUMULATE_FLAGGED if flags is not None else ACCUMULATE_ALL if accumulate else NO_ACCUMULATE
     _launch_wgrad(x, dy, offsets, out, mode, flags)
-
-
-@_grouped_mm_wgrad_into.register_fake
-def _(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-      flags: torch.Tensor | None, accumulate: bool) -> None:
-    return None
 
 
 def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
@@ -91,6 +72,20 @@ def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out:
     run_ragged_k(x, dy, offsets, out, mode, flags)
 
 
+def _forward_fake(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _wgrad_fake(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
+    return x.new_empty((E, N, K) if transposed else (E, K, N))
+
+
+def _wgrad_into_fake(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                     flags: torch.Tensor | None, accumulate: bool) -> None:
+    return None
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, w, offsets = inputs
     ctx.save_for_backward(x, w, offsets)
@@ -100,16 +95,19 @@ def _backward(ctx, dy: torch.Tensor):
     x, w, offsets = ctx.saved_tensors
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = _grouped_mm(dy, w.transpose(1, 2), offsets)
+        dx = _GROUPED_MM(dy, w.transpose(1, 2), offsets)
     if ctx.needs_input_grad[1]:
         # Give dw the layout of w: nn.Linear-layout weights viewed as [E, K, N] get [E, N, K] storage.
         transposed = w.stride(1) == 1 and w.stride(2) != 1
-        dw = _grouped_mm_wgrad(x, dy, offsets, transposed)
+        dw = _WGRAD(x, dy, offsets, transposed)
         dw = dw.transpose(1, 2) if transposed else dw
     return dx, dw, None
 
 
-_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+_GROUPED_MM = DirectOp.define("grouped_mm", _forward, _forward_fake, backward=_backward,
+                             setup_context=_setup_context)
+_WGRAD = DirectOp.define("grouped_mm_wgrad", _wgrad, _wgrad_fake)
+_WGRAD_INTO = DirectOp.define("grouped_mm_wgrad_into", _wgrad_into, _wgrad_into_fake, mutates_args=("out",))
 
 
 def _check_operands(x: torch.Tensor, name: str, other: torch.Tensor, other_ndim: int) -> None:
@@ -153,7 +151,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
         raise ValueError("w must hold at least one expert (E >= 1)")
     offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
     validate_offsets(offsets, x.shape[0])
-    return _grouped_mm(x, w, offsets)
+    return _GROUPED_MM(x, w, offsets)
 
 
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | None = None, *,
@@ -183,7 +181,7 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
     if out is None:
         if accumulate is not False:
             raise ValueError("accumulate needs out= (the tensor to accumulate into)")
-        return _grouped_mm_wgrad(x, dy, offsets, False)
+        return _WGRAD(x, dy, offsets, False)
     check_matrix("out", out, 3, (x.dtype, torch.float32))
     if tuple(out.shape) != (E, K, N):
         raise ValueError(f"out must have shape [E, K, N] = [{E}, {K}, {N}], got {tuple(out.shape)}")
@@ -197,5 +195,5 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
         flags = accumulate
     elif not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be a bool or a bool tensor [E], got {type(accumulate).__name__}")
-    _grouped_mm_wgrad_into(x, dy, offsets, out, flags, bool(accumulate) if flags is None else True)
+    _WGRAD_INTO(x, dy, offsets, out, flags, bool(accumulate) if flags is None else True)
     return out

@@ -10,7 +10,8 @@ expert-parallel sentinel ``>= E``: the copy goes to no local expert) sort after 
 ``offsets[-1]``; their rows are zeros and unpermute skips them.
 
 Both ops are ``torch.library`` custom ops with fake implementations and autograd, so
-``torch.compile(fullgraph=True)`` traces through them. Output shapes depend only on ``T``, ``k``,
+``torch.compile(fullgraph=True)`` traces through them; eager calls on plain tensors skip the
+dispatcher (``ops.direct``). Output shapes depend only on ``T``, ``k``,
 ``d`` and ``E``, and nothing reads the routing on the host: no host sync on the Triton backend (the
 sort, the counts and the inverse map are device ops; the gathers are Triton kernels).
 """
@@ -30,6 +31,7 @@ from dropless.ops.checks import (
     check_tensor,
     validate_offsets,
 )
+from dropless.ops.direct import DirectOp
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_ROWS = 2**31 - 1  # sorted_to_token_slot and offsets are int32
@@ -62,7 +64,6 @@ def _top_k(weights: torch.Tensor | None, sorted_rows: int, num_tokens: int) -> i
     return sorted_rows // num_tokens if num_tokens else 0
 
 
-@torch.library.custom_op("dropless::permute", mutates_args=())
 def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(x.device):
@@ -74,14 +75,12 @@ def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
     return x_sorted, sorted_to_token_slot, group_sizes, offsets
 
 
-@_permute.register_fake
-def _(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
+def _permute_fake(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
     M = x.shape[0] * topk_ids.shape[1]
     return (x.new_empty(M, x.shape[1]), topk_ids.new_empty(M, dtype=torch.int32),
             topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(num_experts, dtype=torch.int32))
 
 
-@torch.library.custom_op("dropless::unpermute", mutates_args=())
 def _unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
                offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``y [T, d]``; ``weights=None`` sums the copies unweighted (permute's backward)."""
@@ -94,13 +93,11 @@ def _unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weigh
     return y
 
 
-@_unpermute.register_fake
-def _(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
+def _unpermute_fake(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
       offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
 
 
-@torch.library.custom_op("dropless::unpermute_backward", mutates_args=())
 def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
                         weights: torch.Tensor | None, offsets: torch.Tensor,
                         need_dweights: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +119,7 @@ def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_toke
     return dy_sorted, dweights.view(T, k).to(weights.dtype)
 
 
-@_unpermute_backward.register_fake
-def _(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
+def _unpermute_backward_fake(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
       weights: torch.Tensor | None, offsets: torch.Tensor, need_dweights: bool):
     dy_sorted = dy.new_empty(sorted_to_token_slot.shape[0], dy.shape[1])
     if need_dweights and weights is not None:
@@ -140,10 +136,7 @@ def _permute_setup_context(ctx, inputs, output) -> None:
 
 def _permute_bwd(ctx, dx_sorted, *_):
     sorted_to_token_slot, offsets = ctx.saved_tensors
-    return _unpermute(dx_sorted, sorted_to_token_slot, None, offsets, ctx.num_tokens), None, None
-
-
-_permute.register_autograd(_permute_bwd, setup_context=_permute_setup_context)
+    return _UNPERMUTE(dx_sorted, sorted_to_token_slot, None, offsets, ctx.num_tokens), None, None
 
 
 def _unpermute_setup_context(ctx, inputs, output) -> None:
@@ -154,13 +147,17 @@ def _unpermute_setup_context(ctx, inputs, output) -> None:
 def _unpermute_bwd(ctx, dy):
     y_sorted, sorted_to_token_slot, weights, offsets = ctx.saved_tensors
     need_dweights = ctx.needs_input_grad[2]
-    dy_sorted, dweights = _unpermute_backward(dy, y_sorted, sorted_to_token_slot, weights, offsets,
+    dy_sorted, dweights = _UNPERMUTE_BACKWARD(dy, y_sorted, sorted_to_token_slot, weights, offsets,
                                               need_dweights)
     return (dy_sorted if ctx.needs_input_grad[0] else None, None,
             dweights if need_dweights else None, None, None)
 
 
-_unpermute.register_autograd(_unpermute_bwd, setup_context=_unpermute_setup_context)
+_PERMUTE = DirectOp.define("permute", _permute, _permute_fake, backward=_permute_bwd,
+                           setup_context=_permute_setup_context)
+_UNPERMUTE = DirectOp.define("unpermute", _unpermute, _unpermute_fake, backward=_unpermute_bwd,
+                             setup_context=_unpermute_setup_context)
+_UNPERMUTE_BACKWARD = DirectOp.define("unpermute_backward", _unpermute_backward, _unpermute_backward_fake)
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -200,7 +197,7 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if T * k > _MAX_ROWS:
         raise ValueError(f"topk_ids has T*k = {T * k} copies; at most 2**31 - 1 are supported (int32 indices)")
-    return _permute(x, topk_ids, num_experts)
+    return _PERMUTE(x, topk_ids, num_experts)
 
 
 def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor,
@@ -236,4 +233,4 @@ def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weight
         raise ValueError("offsets must hold at least one expert (shape [E] with E >= 1), got shape (0,)")
     check_same_device(y_sorted.device, sorted_to_token_slot=sorted_to_token_slot, weights=weights, offsets=offsets)
     validate_offsets(offsets, T * k)
-    return _unpermute(y_sorted, sorted_to_token_slot, weights, offsets, T)
+    return _UNPERMUTE(y_sorted, sorted_to_token_slot, weights, offsets, T)
