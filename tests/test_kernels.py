@@ -379,3 +379,27 @@ def test_hopper_ragged_m_output_staging():
         output_in_halves(GemmConfig(128, 256, 64, num_stages=5), 2)
     for config in tuning.hopper_candidates()["ragged_m"]:
         output_in_halves(config, 2)
+
+
+def test_direct_launch_key_follows_specialization():
+    """The compiled-kernel key of a direct launch changes with everything the JIT specializes on (a
+    descriptor's block shape and dtype, an integer's divisibility, a pointer's alignment, a constexpr)
+    and with nothing else (the values of integers and the tensors behind the descriptors)."""
+    from dropless.kernels.direct_launch import _specialization
+    from dropless.kernels.hopper import descriptor
+    from dropless.kernels.ragged_m_hopper import _LAUNCH
+
+    params = {param.name: param for param in _LAUNCH.params}
+
+    def key(name, value):
+        return _specialization(params[name], value)
+
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    assert key("a_desc", descriptor(x, [128, 64])) == key("a_desc", descriptor(torch.randn(512, 128, dtype=torch.bfloat16), [128, 64]))
+    assert key("a_desc", descriptor(x, [128, 64])) != key("a_desc", descriptor(x, [64, 64]))
+    assert key("a_desc", descriptor(x, [128, 64])) != key("a_desc", descriptor(x.half(), [128, 64]))
+    assert key("M", 4096) == key("M", 65536) != key("M", 4095) != key("M", 1)
+    assert key("M", 2**31) != key("M", 2**30)  # a 64-bit integer
+    flat = torch.empty(64, dtype=torch.bfloat16)
+    assert key("c_ptr", flat) == key("c_ptr", flat[8:]) != key("c_ptr", flat[1:])
+    assert key("STAGES", 3) != key("STAGES", 4)

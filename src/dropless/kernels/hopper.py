@@ -21,9 +21,18 @@ GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float
 SHARED_MEMORY_BYTES = 227 * 1024 - 2048
 
 
+class _CheckedDescriptor(TensorDescriptor):
+    """A TMA descriptor of a tensor that ``launch.hopper_kernels_ok`` (or ``hopper_wgrad_ok``) accepted:
+    its construction skips re-checking what those checked, a few microseconds a descriptor."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A TMA descriptor of ``t`` (unit last stride) loading ``block_shape`` blocks into swizzled shared memory."""
-    return TensorDescriptor.from_tensor(t, block_shape, _shared_layout(tuple(block_shape), t.dtype))
+    """A TMA descriptor of ``t`` (non-empty, TMA-readable as ``launch.LaunchInfo.tma_ok`` says) loading
+    ``block_shape`` blocks into swizzled shared memory."""
+    return _CheckedDescriptor(t, t.shape, t.stride(), block_shape, _shared_layout(tuple(block_shape), t.dtype))
 
 
 @functools.cache

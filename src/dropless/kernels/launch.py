@@ -53,6 +53,7 @@ def weight_nk(b: torch.Tensor) -> bool:
     return b.stride(1) == 1 and b.stride(2) != 1
 
 
+@functools.cache
 def _triton_at_least(major: int, minor: int) -> bool:
     return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (major, minor)
 

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
@@ -293,6 +294,9 @@ def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce,
     ], [1, 1], [24, 48])
 
 
+_LAUNCH = DirectLaunch(_ragged_k_hopper_kernel)
+
+
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        accumulate: int, flags: torch.Tensor | None, config: GemmConfig, num_programs: int) -> None:
     """Launch on 16-bit ``a [M, K]`` and ``b [M, N]``, int32 ``offsets [E]``, and ``c [E, K, N]`` (N
@@ -306,9 +310,8 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
-    _ragged_k_hopper_kernel[grid](descriptor(a, [bm, bk]), descriptor(b, [bm, bn]), descriptor(c, [1, bk, bn]),
-                                  c, flags if flags is not None else offsets, c.stride(0), c.stride(1),
-                                  offsets, counter, M, N, K, E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
-                                  GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate,
-                                  BY_WORK=config.by_work, E_POW2=triton.next_power_of_2(E), QUEUE=QUEUE,
-                                  num_warps=config.num_warps)
+    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=descriptor(b, [bm, bn]), c_desc=descriptor(c, [1, bk, bn]),
+            c_ptr=c, flags_ptr=flags if flags is not None else offsets, stride_ce=c.stride(0), stride_ck=c.stride(1),
+            offsets_ptr=offsets, counter_ptr=counter, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+            GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate, BY_WORK=config.by_work,
+            E_POW2=triton.next_power_of_2(E), QUEUE=QUEUE, num_warps=config.num_warps)

@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dropless.kernels.config import GemmConfig
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, raster, release, stage_barriers
 from dropless.kernels.launch import weight_nk
 
@@ -210,6 +211,9 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_pt
     ], [LOADER_WARPS], [40])
 
 
+_LAUNCH = DirectLaunch(_ragged_m_hopper_kernel)
+
+
 def output_in_halves(config: GemmConfig, element_size: int) -> bool:
     """Whether the output tile leaves in two halves of columns: the whole tile's staging buffer does not
     fit in shared memory beside the stage ring, half of it does, and a stage's weight buffer holds the
@@ -236,8 +240,8 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
-    _ragged_m_hopper_kernel[grid](descriptor(a, [bm, bk]), b_desc, descriptor(c, [bm, bn // 2 if halves else bn]), c,
-                                  c.stride(0), offsets, M, N, K, E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                  GROUP_M=config.group_m, STAGES=config.num_stages,
-                                  E_POW2=triton.next_power_of_2(E + 1), B_NK=b_nk, EPI_HALVES=halves,
-                                  num_warps=config.num_warps)
+    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
+            c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
+            offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=triton.next_power_of_2(E + 1),
+            B_NK=b_nk, EPI_HALVES=halves, num_warps=config.num_warps)
