@@ -36,7 +36,7 @@ class DirectLaunch:
         if compiled is None:
             self.compiled[key] = self.kernel[grid](**args)
         else:
-            compiled[grid](*values)
+            compiled[(*grid, 1, 1)[:3]](*values)  # the compiled kernel takes all three grid dimensions
 
 
 def _specialization(param: KernelParam, value: Any) -> Any:
