@@ -403,3 +403,12 @@ def test_direct_launch_key_follows_specialization():
     flat = torch.empty(64, dtype=torch.bfloat16)
     assert key("c_ptr", flat) == key("c_ptr", flat[8:]) != key("c_ptr", flat[1:])
     assert key("STAGES", 3) != key("STAGES", 4)
+
+
+def test_host_integer_helpers_match_triton():
+    import triton
+
+    for n in (*range(0, 70), 255, 256, 257, 2**31 - 1, 2**31):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
+        for d in (1, 3, 16, 64, 128, 256):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)

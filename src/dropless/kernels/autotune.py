@@ -16,11 +16,10 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import interpreting
+from dropless.kernels.launch import interpreting, next_power_of_2
 
 
 MIN_TUNED_FLOPS = 2**30
@@ -30,7 +29,7 @@ DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction t
 
 def problem_class(*parts: Hashable, M: int) -> tuple:
     """A cache key: the given parts and M rounded up to a power of two."""
-    return (*parts, triton.next_power_of_2(max(M, 1)))
+    return (*parts, next_power_of_2(max(M, 1)))
 
 
 class Autotuner:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.launch import launch_info
+from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
 
 _MAX_BLOCK_D = 256
 _BLOCK_ELEMENTS = 2048  # rows per program = _BLOCK_ELEMENTS // BLOCK_D
@@ -99,8 +99,8 @@ def _unpermute_kernel(
 
 def _blocks(rows: int, D: int) -> tuple[int, int]:
     """(rows per program, BLOCK_D): up to 256 contiguous features, about 2048 elements a program."""
-    block_d = min(max(triton.next_power_of_2(D), 16), _MAX_BLOCK_D)
-    block_rows = min(_BLOCK_ELEMENTS // block_d, max(triton.next_power_of_2(rows), 1))
+    block_d = min(max(next_power_of_2(D), 16), _MAX_BLOCK_D)
+    block_rows = min(_BLOCK_ELEMENTS // block_d, max(next_power_of_2(rows), 1))
     return block_rows, block_d
 
 
@@ -123,7 +123,7 @@ def permute_rows(src: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets:
     block_m, block_d = _blocks(M, D)
     w_arg = weights if weights is not None else src
     other_arg = other if dot else src
-    _permute_kernel[(triton.cdiv(M, block_m),)](
+    _permute_kernel[(cdiv(M, block_m),)](
         src, sorted_to_token_slot, offsets, out, w_arg, other_arg, dweights if dot else out,
         M, D, top_k, offsets.shape[0],
         src.stride(0), src.stride(1), out.stride(0), out.stride(1),
@@ -147,7 +147,7 @@ def unpermute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: tor
         return
     block_t, block_d = _blocks(T, D)
     w_arg = weights if weights is not None else src
-    _unpermute_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+    _unpermute_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
         src, slot_to_sorted, offsets, out, w_arg,
         T, D, top_k, offsets.shape[0],
         src.stride(0), src.stride(1), out.stride(0), out.stride(1), w_arg.stride(0), w_arg.stride(1),

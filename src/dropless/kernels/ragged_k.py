@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.groups import group_bounds, grouped_raster, pick
-from dropless.kernels.launch import LaunchInfo
+from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
 
 NO_ACCUMULATE, ACCUMULATE_ALL, ACCUMULATE_FLAGGED = 0, 1, 2
 
@@ -160,7 +160,7 @@ def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_arg = info.descriptor(a, [bm, bk]) if use_tma else a
     b_arg = info.descriptor(b, [bm, bn]) if use_tma else b
-    total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
     num_programs = max(1, min(info.num_programs * config.programs_per_sm, total_tiles))
     tma_store = use_tma and config.tma_store and info.tma_ok(c)
     c_desc = info.descriptor(c, [1, bk, bn]) if tma_store else None
@@ -169,7 +169,7 @@ def ragged_k_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
         a_arg, b_arg, c, c_desc, offsets, flags if flags is not None else offsets, counter,
         M, N, K, E,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
-        NUM_PROGRAMS=num_programs, E_POW2=triton.next_power_of_2(E + 1),
+        NUM_PROGRAMS=num_programs, E_POW2=next_power_of_2(E + 1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         ACCUMULATE=accumulate, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
         BY_WORK=config.by_work, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=config.flatten,

@@ -31,7 +31,6 @@ their path.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -44,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
+from dropless.kernels.launch import cdiv, next_power_of_2
 from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
@@ -307,11 +307,11 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     N = b.shape[1]
     E = c.shape[0]
     bm, bk, bn = config.block_m, config.block_k, config.block_n
-    total_tiles = E * triton.cdiv(K, bk) * triton.cdiv(N, bn)
+    total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
     _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=descriptor(b, [bm, bn]), c_desc=descriptor(c, [1, bk, bn]),
             c_ptr=c, flags_ptr=flags if flags is not None else offsets, stride_ce=c.stride(0), stride_ck=c.stride(1),
             offsets_ptr=offsets, counter_ptr=counter, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
             GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate, BY_WORK=config.by_work,
-            E_POW2=triton.next_power_of_2(E), QUEUE=QUEUE, num_warps=config.num_warps)
+            E_POW2=next_power_of_2(E), QUEUE=QUEUE, num_warps=config.num_warps)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.groups import group_bounds, grouped_raster, pick
-from dropless.kernels.launch import LaunchInfo, weight_nk
+from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2, weight_nk
 
 
 @triton.jit
@@ -105,8 +105,8 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
         a_arg, b_arg = a, b
     tma_store = use_tma and config.tma_store and info.tma_ok(c)
     c_desc = info.descriptor(c, [bm, bn]) if tma_store else None
-    e_pow2 = triton.next_power_of_2(E + 1)
-    max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
+    e_pow2 = next_power_of_2(E + 1)
+    max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     num_programs = max(1, min(info.num_programs * config.programs_per_sm, max_tiles))
     _ragged_m_kernel[(num_programs,)](
         a_arg, b_arg, c, c_desc, offsets,

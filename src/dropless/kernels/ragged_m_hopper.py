@@ -17,7 +17,6 @@ inside the tile: those rows are written by masked stores, so the next group's ro
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -31,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, raster, release, stage_barriers
-from dropless.kernels.launch import weight_nk
+from dropless.kernels.launch import cdiv, next_power_of_2, weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
 # it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
@@ -238,10 +237,10 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     halves = output_in_halves(config, a.element_size())
     b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
-    max_tiles = (triton.cdiv(M, bm) + E + 1) * triton.cdiv(N, bn)
+    max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
     _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
             c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=triton.next_power_of_2(E + 1),
+            GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1),
             B_NK=b_nk, EPI_HALVES=halves, num_warps=config.num_warps)

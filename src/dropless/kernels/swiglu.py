@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.launch import launch_info
+from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -99,9 +99,9 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activat
     M, F = h.shape[0], h.shape[1] // 2
     if M == 0 or F == 0:
         return
-    block_f = min(max(triton.next_power_of_2(F), 16), _MAX_BLOCK_F)
+    block_f = min(max(next_power_of_2(F), 16), _MAX_BLOCK_F)
     block_m = _BLOCK_ELEMENTS // block_f
-    grid = (triton.cdiv(M, block_m), triton.cdiv(F, block_f))
+    grid = (cdiv(M, block_m), cdiv(F, block_f))
     backward = da is not None
     da_arg = da if backward else h  # unread in the forward; any tensor fills the slot
     _glu_kernel[grid](
