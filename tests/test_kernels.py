@@ -45,15 +45,21 @@ SHAPES = {
 
 @pytest.fixture
 def descriptor_calls(monkeypatch):
-    """Counts the TMA descriptors the launchers build (0 means the pointer path ran)."""
+    """Counts the TMA descriptors the launchers build, the Triton kernels' and the Hopper Gluon kernels'
+    (0 means the pointer path ran)."""
+    from dropless.kernels import ragged_k_hopper, ragged_m_hopper
+
     calls = []
-    original = launch.LaunchInfo.descriptor
 
-    def counting(t, block_shape):
-        calls.append(tuple(t.shape))
-        return original(t, block_shape)
+    def counting(original):
+        def build(t, block_shape):
+            calls.append(tuple(t.shape))
+            return original(t, block_shape)
+        return build
 
-    monkeypatch.setattr(launch.LaunchInfo, "descriptor", staticmethod(counting))
+    monkeypatch.setattr(launch.LaunchInfo, "descriptor", staticmethod(counting(launch.LaunchInfo.descriptor)))
+    for module in (ragged_k_hopper, ragged_m_hopper):
+        monkeypatch.setattr(module, "descriptor", counting(module.descriptor))
     return calls
 
 
