@@ -2,8 +2,8 @@
 
 Every op of dropless is a ``torch.library`` custom op, which is what ``torch.compile``, fake tensors
 and tensor subclasses need. Called eagerly, though, the dispatcher and the custom op's autograd
-wrapper cost tens of microseconds of host time per call: as much as the GPU time of a small grouped
-GEMM, so the host, not the GPU, sets the pace. A ``DirectOp`` runs the op's implementation itself
+wrapper cost host time on every call (10-26 us of a grouped_mm forward on an H100's host,
+benchmarks/NOTES.md v6), which adds up over the many calls of an MoE layer. A ``DirectOp`` runs the op's implementation itself
 when the call is eager on plain tensors (through an ``autograd.Function`` holding the op's backward
 when an input needs a gradient), and the custom op otherwise: while ``torch.compile`` traces, under
 a dispatch mode (fake tensors, ``make_fx``), under functorch transforms, or for a tensor subclass.
