@@ -5,8 +5,9 @@ and tensor subclasses need. Called eagerly, though, the dispatcher and the custo
 wrapper cost host time on every call (9-26 us of a grouped_mm forward on an H100's host,
 benchmarks/NOTES.md v6), which adds up over the many calls of an MoE layer. A ``DirectOp`` runs the
 op's implementation itself when the call is eager on plain tensors (through an ``autograd.Function``
-holding the op's backward when an input needs a gradient), and the custom op otherwise: while ``torch.compile`` traces, under
-a dispatch mode (fake tensors, ``make_fx``), under functorch transforms, or for a tensor subclass.
+holding the op's backward when an input needs a gradient), and the custom op otherwise: while
+``torch.compile`` traces, under a dispatch mode (fake tensors, ``make_fx``), under functorch
+transforms, or for a tensor subclass.
 Both paths run the same implementation and the same backward.
 """
 
