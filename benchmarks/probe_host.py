@@ -9,24 +9,17 @@ through the ``torch.library`` custom op; then a cProfile of the raw Gluon launch
 benchmarks/NOTES.md (v5, v6).
 """
 import cProfile, io, pstats, sys, time
-import numpy as np, torch
+import torch
 import dropless
-from dropless.bench.routing import group_sizes
+from host_problem import E, K, M, N, big, dy, offs, w, wd, x, xd
 from dropless.kernels import ragged_m_hopper as rmh
 from dropless.kernels.tuning import run_ragged_m, run_ragged_k
 from dropless.kernels.hopper import descriptor
 from dropless.kernels.config import GemmConfig as G
 ops = sys.modules["dropless.ops.grouped_mm"]
-E, M, K, N = 128, 65536, 768, 2048
-offs = torch.tensor(np.cumsum(group_sizes(E, M, "balanced")), dtype=torch.int32, device="cuda")
-x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-xd, wd = x.detach(), w.detach()
 y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 cfg = G(128, 256, 64, num_warps=8, num_stages=3, gluon=True)
 nsm = torch.cuda.get_device_properties(0).multi_processor_count
-big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
 
 def host_us(f, n=40):

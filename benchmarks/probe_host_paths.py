@@ -7,17 +7,9 @@ GPU work, then times 20 calls on the host (so none waits for the GPU); 12 rounds
 turn, and each reports its median round in microseconds per call. Used for benchmarks/NOTES.md (v6).
 """
 import statistics, time
-import numpy as np, torch
+import torch
 import dropless
-from dropless.bench.routing import group_sizes
-
-E, M, K, N = 128, 65536, 768, 2048
-offs = torch.tensor(np.cumsum(group_sizes(E, M, "balanced")), dtype=torch.int32, device="cuda")
-x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-xd, wd = x.detach(), w.detach()
-big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+from host_problem import big, dy, offs, w, wd, x, xd
 
 
 def step(mm):

@@ -49,7 +49,7 @@ class LaunchInfo:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function, ~10x the host time)."""
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function, with a wrapper on every call)."""
     return -(-a // b)
 
 
