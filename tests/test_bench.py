@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -12,15 +13,17 @@ from dropless.bench.problem import PASSES
 from dropless.bench.readme import END, START
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import QUICK_SHAPES
+from dropless.bench.timing import round_order
 
-ROW_KEYS = {"shape", "E", "M", "K", "N", "routing", "max_group", "method", "pass", "ms", "tflops",
+ROW_KEYS = {"shape", "E", "M", "K", "N", "routing", "max_group", "method", "pass", "ms", "ms_rounds", "tflops",
             "ratio_to_dense", "max_rel_err", "failed", "error"}
+ROUNDS = 2
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["gemm", "--quick", "--out", str(out), "--name", "quick"]) == 0
+    assert main(["gemm", "--quick", "--rounds", str(ROUNDS), "--out", str(out), "--name", "quick"]) == 0
     return out
 
 
@@ -28,6 +31,7 @@ def test_quick_gemm_writes_json_and_plot(quick_run):
     result = json.loads((quick_run / "quick.json").read_text())
     assert set(result) == {"meta", "rows"}
     assert {"gpu", "torch", "triton", "commit", "date"} <= set(result["meta"])
+    assert result["meta"]["rounds"] == ROUNDS
     rows = result["rows"]
     assert len(rows) == len(QUICK_SHAPES) * len(ROUTINGS) * len(PASSES) * len(METHODS)
     assert all(set(r) == ROW_KEYS for r in rows)
@@ -40,6 +44,7 @@ def test_quick_gemm_writes_json_and_plot(quick_run):
             assert r["tflops"] is None and (r["error"] or r["max_rel_err"] is not None)
             continue
         assert r["tflops"] > 0 and r["ms"] > 0 and r["max_rel_err"] >= 0
+        assert len(r["ms_rounds"]) == ROUNDS and r["ms"] == statistics.median(r["ms_rounds"])
         if r["method"] == "dense":
             assert r["ratio_to_dense"] == 1
     try:
@@ -66,3 +71,13 @@ def test_skewed_routing_sums_to_M_with_empty_experts(E, M):
     assert group_sizes(E, M, "skewed") == sizes  # seeded
     balanced = group_sizes(E, M, "balanced")
     assert sum(balanced) == M and max(balanced) - min(balanced) <= 1
+
+
+def test_round_order_shuffles_each_round_reproducibly():
+    cases = list(range(20))
+    orders = [round_order(cases, r, seed=0) for r in range(3)]
+    assert all(sorted(o) == cases for o in orders)
+    assert len({tuple(o) for o in orders}) == 3
+    assert orders == [round_order(cases, r, seed=0) for r in range(3)]
+    assert round_order(cases, 0, seed=1) != orders[0]
+    assert cases == list(range(20))

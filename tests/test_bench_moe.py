@@ -4,6 +4,7 @@ every method checked against the fp32 reference; the README block between its ma
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -15,7 +16,8 @@ from dropless.bench.moe_layers import QUICK_CONFIGS  # noqa: E402
 from dropless.bench.moe_report import MOE_END, MOE_START  # noqa: E402
 from dropless.bench.readme import END, START  # noqa: E402
 
-ROW_KEYS = {"config", "T", "E", "k", "d", "d_ff", "shared_d_ff", "method", "ms", "tflops", "fraction_of_dense",
+ROW_KEYS = {"config", "T", "E", "k", "d", "d_ff", "shared_d_ff", "method", "ms", "ms_rounds", "tflops",
+            "fraction_of_dense",
             "peak_gib", "max_rel_err", "rel_errs", "failed", "error"}
 
 
@@ -45,6 +47,7 @@ def test_quick_moe_writes_json_and_plot(quick_run):
         # On the CPU every method runs, torch._grouped_mm and transformers' blocks included.
         assert not r["failed"], r
         assert r["ms"] > 0 and r["tflops"] > 0 and r["fraction_of_dense"] > 0 and r["peak_gib"] is None
+        assert len(r["ms_rounds"]) == meta["rounds"] and r["ms"] == statistics.median(r["ms_rounds"])
         if r["method"] == "dense":
             assert r["fraction_of_dense"] == 1 and r["max_rel_err"] is None
             continue

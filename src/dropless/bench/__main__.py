@@ -14,7 +14,7 @@ from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.moe import METHODS as MOE_METHODS
 from dropless.bench.moe import MoEOptions, run_moe
 from dropless.bench.moe_layers import CONFIGS as MOE_CONFIGS
-from dropless.bench.options import FULL_TIMING, QUICK_TIMING, RunOptions
+from dropless.bench.options import FULL_TIMING, QUICK_TIMING, ROUNDS, RunOptions
 from dropless.bench.peers import METHODS
 from dropless.bench.plot import plot
 from dropless.bench.problem import PASSES
@@ -42,6 +42,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser, kind: str, tiny: str) ->
                         help=f"warm-up per timed case, ms (default: {FULL_TIMING[0]:g}, quick: {QUICK_TIMING[0]:g})")
     parser.add_argument("--rep", type=float,
                         help=f"timed repetitions per case, ms (default: {FULL_TIMING[1]:g}, quick: {QUICK_TIMING[1]:g})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="timing rounds; each case reports the median of its rounds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, the weights and the operands")
     parser.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
     return parser
@@ -77,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_options(args: argparse.Namespace) -> dict:
     """The ``RunOptions`` fields from the command line; quick runs default to short timing."""
     warmup, rep = QUICK_TIMING if args.quick else FULL_TIMING
-    return dict(quick=args.quick, seed=args.seed, commit=args.commit,
+    return dict(quick=args.quick, seed=args.seed, commit=args.commit, rounds=args.rounds,
                 warmup=warmup if args.warmup is None else args.warmup, rep=rep if args.rep is None else args.rep)
 
 

@@ -23,10 +23,8 @@ from dropless.bench.peers import METHODS, Case, Method
 from dropless.bench.problem import PASSES, Problem, make_problem, useful_flops
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import Shape, select_shapes
-from dropless.bench.timing import median_ms
+from dropless.bench.timing import median_ms, round_order
 from dropless.kernels.tuning import tuned_configs
-
-ROUNDS = 3  # timing rounds over all cases of a shape; each case reports its median
 
 
 @dataclass
@@ -53,7 +51,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
         if unknown:
             raise ValueError(f"unknown {name}(s) {unknown}; choose from {list(known)}")
     meta = describe(opts.device, opts.dtype, opts.commit)
-    meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=ROUNDS, seed=opts.seed, quick=opts.quick,
+    meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=opts.rounds, seed=opts.seed, quick=opts.quick,
                 max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference, largest over the "
                             "pass's results (y, dx, dw)",
                 tolerance=TOLERANCE[opts.dtype], group_sizes={})
@@ -75,9 +73,10 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
 def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -> list[dict]:
     """All rows of one (shape, routing): fresh operands; every method checked, then timed in rounds.
 
-    The timing runs ``ROUNDS`` times over all (method, pass) cases in turn and keeps each case's
-    median, so a drift of the machine's clocks during the run falls on every method alike rather
-    than on whichever happened to run then.
+    The timing runs ``opts.rounds`` times over all (method, pass) cases, each round in its own
+    shuffled order, and keeps each case's median (``ms``) and its per-round times (``ms_rounds``), so
+    a drift of the machine's clocks during the run, or a hot predecessor, falls on every method
+    alike rather than on whichever happened to run then.
     """
     base = {"shape": shape.name, "E": shape.E, "M": shape.M, "K": shape.K, "N": shape.N,
             "routing": routing, "max_group": max(sizes)}
@@ -87,15 +86,15 @@ def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -
     methods = {name: _build(name, problem) for name in opts.methods}
     for name, (method, error) in methods.items():
         for pass_ in opts.passes:
-            row = {**base, "method": name, "pass": pass_, "ms": None, "tflops": None, "ratio_to_dense": None,
-                   "max_rel_err": None, "failed": error is not None, "error": error}
+            row = {**base, "method": name, "pass": pass_, "ms": None, "ms_rounds": None, "tflops": None,
+                   "ratio_to_dense": None, "max_rel_err": None, "failed": error is not None, "error": error}
             case = _check(method, pass_, refs, opts, row) if method is not None else None
             if case is not None:
                 timed.append((row, case, useful_flops(shape, pass_), []))
             rows.append(row)
             _release(opts.device)
-    for _ in range(ROUNDS):
-        for row, case, _flops, samples in timed:
+    for round_ in range(opts.rounds):
+        for row, case, _flops, samples in round_order(timed, round_, opts.seed):
             if row["failed"]:
                 continue
             try:
@@ -106,6 +105,7 @@ def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -
     for row, _case, flops, samples in timed:
         if not row["failed"]:
             row["ms"] = statistics.median(samples)
+            row["ms_rounds"] = samples
             row["tflops"] = flops / row["ms"] / 1e9
     del methods, timed, problem, refs
     _release(opts.device)

@@ -5,10 +5,11 @@ every method is built from it, one at a time (a method's copy of the weights is 
 is built: Mixtral-8x7B's experts are 2.8 GB per bf16 copy). Each method runs once and its output,
 input gradient and all weight gradients (router, experts, shared experts) are checked against an
 fp32 reference; only if it passes is it timed (the dense ceiling is not checked). Timing runs
-``ROUNDS`` rounds over all methods of the config in turn (each round builds the method afresh) and
-keeps each method's median, so a drift of the machine's clocks falls on every method alike. A method
-that raises (including running out of memory, or a block this transformers lacks) gets a row with its
-error, and the run goes on.
+``opts.rounds`` rounds over all methods of the config, each round in its own shuffled order (each
+round builds the method afresh), and keeps each method's median and per-round times, so a drift of
+the machine's clocks, or a hot predecessor, falls on every method alike. A method that raises
+(including running out of memory, or a block this transformers lacks) gets a row with its error, and
+the run goes on.
 
 The timed step is ``y = layer(x)`` then ``torch.autograd.grad(y, [x, *params], dy)``: forward and the
 full backward, weight gradients written fresh each time (nothing accumulates into ``.grad``).
@@ -28,11 +29,11 @@ import torch
 
 from dropless.bench.check import TOLERANCE, rel_err
 from dropless.bench.environment import describe
-from dropless.bench.gemm import ROUNDS, _describe_error
+from dropless.bench.gemm import _describe_error
 from dropless.bench.options import RunOptions
 from dropless.bench.moe_layers import (Built, LayerConfig, Weights, build_dropless, build_hf, build_torch_grouped_mm,
                                        make_weights, reference, select_configs)
-from dropless.bench.timing import median_ms
+from dropless.bench.timing import median_ms, round_order
 from dropless.kernels.tuning import tuned_configs
 
 __all__ = ["METHODS", "MoEOptions", "run_moe"]
@@ -95,7 +96,7 @@ def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, fi
     except ImportError:
         meta["transformers"] = None
     meta.update(
-        warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=ROUNDS, seed=opts.seed, quick=opts.quick,
+        warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=opts.rounds, seed=opts.seed, quick=opts.quick,
         step="y = layer(x); torch.autograd.grad(y, [x, *params], dy): forward and full backward",
         flops="3 * T * k * 6 * d * d_ff (expert GEMMs: gate+up and down, fwd + dgrad + wgrad) "
               "+ 3 * T * 6 * d * shared_d_ff (shared experts); the router GEMM is not counted",
@@ -138,15 +139,15 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
     """All rows of one config: shared weights, the fp32 reference, then rounds of build-check-time."""
     base = {"config": cfg.name, "T": cfg.T, "E": cfg.E, "k": cfg.k, "d": cfg.d, "d_ff": cfg.d_ff,
             "shared_d_ff": cfg.shared_d_ff}
-    rows = {m: {**base, "method": m, "ms": None, "tflops": None, "fraction_of_dense": None, "peak_gib": None,
+    rows = {m: {**base, "method": m, "ms": None, "ms_rounds": None, "tflops": None, "fraction_of_dense": None, "peak_gib": None,
                 "max_rel_err": None, "rel_errs": None, "failed": False, "error": None} for m in opts.methods}
     samples: dict[str, list[float]] = {m: [] for m in opts.methods}
     weights = make_weights(cfg, opts.dtype, opts.device, opts.seed)
     ref = reference(cfg, weights)
     _release(opts.device)
     x = weights.x.detach().requires_grad_()
-    for round_ in range(ROUNDS):
-        for method in opts.methods:
+    for round_ in range(opts.rounds):
+        for method in round_order(opts.methods, round_, opts.seed):
             row = rows[method]
             if row["failed"]:
                 continue
@@ -175,6 +176,7 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
     for method, row in rows.items():
         if not row["failed"] and samples[method]:
             row["ms"] = statistics.median(samples[method])
+            row["ms_rounds"] = samples[method]
             row["tflops"] = flops[method] / row["ms"] / 1e9
     del weights, ref, x
     _release(opts.device)

@@ -10,16 +10,19 @@ import torch
 
 FULL_TIMING = (25.0, 100.0)  # do_bench warm-up and repetition, ms: the full sets run in minutes
 QUICK_TIMING = (2.0, 10.0)
+ROUNDS = 3  # timing rounds over all cases; each case reports the median of its rounds
 T = TypeVar("T")
 
 
 @dataclass
 class RunOptions:
-    """``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning)."""
+    """``warmup`` and ``rep`` are milliseconds per timed case (``do_bench``'s meaning); every case is
+    timed once per round, in ``rounds`` rounds."""
 
     quick: bool = False
     warmup: float = FULL_TIMING[0]
     rep: float = FULL_TIMING[1]
+    rounds: int = ROUNDS
     seed: int = 0
     commit: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from triton.testing import do_bench
+
+T = TypeVar("T")
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device, warmup: float, rep: float) -> float:
@@ -36,3 +39,14 @@ def _host_median_ms(fn: Callable[[], Any], warmup: float, rep: float) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def round_order(cases: Sequence[T], round_: int, seed: int) -> list[T]:
+    """The cases in the order round ``round_`` times them: a seeded shuffle, different each round.
+
+    Under a power limit a case's clock depends on what ran just before it; a fixed order would give
+    each method the same predecessor in every round, and so the same bias.
+    """
+    order = list(cases)
+    random.Random(seed * 1_000_003 + round_).shuffle(order)
+    return order
