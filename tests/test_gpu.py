@@ -6,6 +6,7 @@ Skipped without CUDA. The oracle is dropless.reference in fp64 on the same GPU.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -450,3 +451,31 @@ def test_direct_launch_reuses_compiled_kernels():
         assert_rows_close(y, reference.grouped_mm(x.double(), w.double(), offsets), sizes, torch.bfloat16)
         assert len(_LAUNCH.compiled) == compiled_before + new_kernels, M
         compiled_before = len(_LAUNCH.compiled)
+
+
+@needs_sm90
+def test_direct_launch_from_a_thread_without_cuda_work():
+    """A compiled Gluon kernel launched from a thread that has made no CUDA call yet (as autograd's
+    device thread is when a dropless op's backward is the first CUDA work in it) is right."""
+    config = hopper_candidates()["ragged_m"][0]
+    M, K, N, E = 1000, 256, 384, 5
+    w = make_w(E, K, N, torch.bfloat16, DEVICE, "kn")
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    sizes = _sizes(E, M - 7, 3)
+    offsets = offsets_of(sizes, DEVICE)
+    run_ragged_m(x, w, offsets, poisoned((M, N), torch.bfloat16, DEVICE), config=config)  # compiles here
+    y = poisoned((M, N), torch.bfloat16, DEVICE)
+    errors = []
+
+    def launch() -> None:
+        try:
+            run_ragged_m(x, w, offsets, y, config=config)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert_rows_close(y, reference.grouped_mm(x.double(), w.double(), offsets), sizes, torch.bfloat16)
