@@ -61,6 +61,7 @@ def test_readme_table_between_markers(quick_run, tmp_path):
     text = readme.read_text()
     assert "stale" not in text and text.endswith(f"{END}\n\nafter\n")
     assert all(s.name in text for s in QUICK_SHAPES)
+    assert f"the median of {ROUNDS} rounds" in text  # how each case was timed
 
 
 @pytest.mark.parametrize("E, M", [(4, 16384), (32, 32768), (128, 65536), (16, 500)])
