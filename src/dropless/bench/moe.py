@@ -139,8 +139,9 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
     """All rows of one config: shared weights, the fp32 reference, then rounds of build-check-time."""
     base = {"config": cfg.name, "T": cfg.T, "E": cfg.E, "k": cfg.k, "d": cfg.d, "d_ff": cfg.d_ff,
             "shared_d_ff": cfg.shared_d_ff}
-    rows = {m: {**base, "method": m, "ms": None, "ms_rounds": None, "tflops": None, "fraction_of_dense": None, "peak_gib": None,
-                "max_rel_err": None, "rel_errs": None, "failed": False, "error": None} for m in opts.methods}
+    rows = {m: {**base, "method": m, "ms": None, "ms_rounds": None, "tflops": None, "fraction_of_dense": None,
+                "peak_gib": None, "max_rel_err": None, "rel_errs": None, "failed": False, "error": None}
+            for m in opts.methods}
     samples: dict[str, list[float]] = {m: [] for m in opts.methods}
     weights = make_weights(cfg, opts.dtype, opts.device, opts.seed)
     ref = reference(cfg, weights)
