@@ -13,10 +13,8 @@ import numpy as np, torch
 from dropless.bench.routing import group_sizes
 from dropless.kernels.config import GemmConfig as G
 from dropless.kernels.tuning import run_ragged_m
+from probe_kernels import SHAPES
 
-SHAPES = {"mixtral-up": (4, 16384, 4096, 14336), "mixtral-down": (4, 16384, 14336, 4096),
-          "dsv3-up": (32, 32768, 7168, 4096), "qwen3-up": (128, 65536, 2048, 1536),
-          "gptoss-up": (32, 32768, 2880, 5760)}
 CONFIGS = {"gl_s3": G(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
            "gl_s4": G(128, 256, 64, num_warps=8, num_stages=4, gluon=True),
            "gl_s4_g16": G(128, 256, 64, group_m=16, num_warps=8, num_stages=4, gluon=True),

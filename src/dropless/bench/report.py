@@ -46,12 +46,9 @@ def ratio_cell(value: float | None) -> str:
 
 def headline(meta: dict) -> str:
     """One line naming the device, software, commit and date of a run, and how it timed each case."""
-    line = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, "
-            f"commit {meta['commit']}, {meta['date']}")
-    if {"rounds", "warmup_ms", "rep_ms"} <= set(meta):
-        line += (f"; each time the median of {meta['rounds']} rounds, a round timing {meta['rep_ms']:g} ms of "
-                 f"runs after {meta['warmup_ms']:g} ms of warm-up")
-    return line
+    return (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, "
+            f"commit {meta['commit']}, {meta['date']}; each time the median of {meta['rounds']} rounds, a round "
+            f"timing {meta['rep_ms']:g} ms of runs after {meta['warmup_ms']:g} ms of warm-up")
 
 
 def format_table(result: dict) -> str:
