@@ -159,8 +159,8 @@ HOPPER_CASES = {
     "m1": CASES["m1"],
     "k_n_tails": (1500, 200, 136, _sizes(6, 1400, 9)),
     "tiny_groups": (700, 256, 256, [1, 63, 64, 65, 0, 127, 128, 129, 2]),
-    # Groups ending 64 rows or fewer into a tile (half tiles), and 40 unrouted rows after them.
-    "half_tiles": (690, 192, 264, [64, 192, 1, 0, 200, 130, 63]),
+    # Groups ending 64 rows or fewer into a tile, and 40 unrouted rows after them.
+    "short_tails": (690, 192, 264, [64, 192, 1, 0, 200, 130, 63]),
 }
 needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                 reason="the Gluon kernels are for sm_90")
@@ -196,9 +196,9 @@ def test_ragged_m_every_hopper_candidate(dtype, case, config):
 @pytest.mark.parametrize("config", hopper_candidates()["ragged_m"], ids=str)
 @pytest.mark.parametrize("programs", [1, 3])
 def test_ragged_m_hopper_tile_sequences(config, programs):
-    """A few programs, so each runs a long sequence of whole tiles, half tiles (64 rows or fewer of a
-    group), partial tiles and unrouted-tail tiles in a row: every hand-back of a stage between them is
-    right, with the output leaving whole or in halves."""
+    """A few programs, so each runs a long sequence of whole tiles, partial tiles (a group's last rows)
+    and unrouted-tail tiles in a row: every hand-back of a stage between them is right, with the output
+    leaving whole or in halves."""
     if not config.gluon:
         pytest.skip("a Triton config: no Gluon tile sequence")
     from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper

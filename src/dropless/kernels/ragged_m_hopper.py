@@ -12,8 +12,6 @@ the program's tiles filling a ring of shared-memory stages, so the next tile's o
 on chip when a tile ends; the compute warps write each tile that lies inside its group through an
 asynchronous TMA store and wait for it a tile later. A group's last block of rows usually ends
 inside the tile: those rows are written by masked stores, so the next group's rows are not touched.
-Where that block holds at most half a tile of rows, only that half is loaded and multiplied (with
-routed tokens, about one group in two ends so), which saves a quarter to a half of the tile's work.
 """
 
 from __future__ import annotations
@@ -74,31 +72,24 @@ def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, B
 
 
 @gluon.jit
-def _loader(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
             STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr):
-    """TMA loads of the K blocks of every tile of this program, into the stage ring; a half tile's
-    operand rows fill the first half of its stages' row buffers."""
+    """TMA loads of the K blocks of every tile of this program, into the stage ring."""
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, LOADER_WARPS)
     total_tiles = gl.sum(tiles, axis=0)
     step = 0
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                          GROUP_M, E_POW2, LOADER_WARPS)
-        half = end - row0 <= BLOCK_M // 2
         # The unrouted tail has no weight: nothing to load, its tiles are zeros.
         k_end = gl.where(group < E, K, 0)
         for k0 in range(0, k_end, BLOCK_K):
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            if half:
-                mbarrier.expect(bar, a_half_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_half_desc, [row0, k0], bar,
-                                                a_bufs.index(slot).slice(0, BLOCK_M // 2))
-            else:
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(slot))
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k0], bar, a_bufs.index(slot))
             if B_NK:
                 tma.async_copy_global_to_shared(b_desc, [group, col0, k0], bar,
                                                 b_bufs.index(slot).reshape([1, BLOCK_N, BLOCK_K]))
@@ -118,57 +109,11 @@ def _store_from(c_desc, buffer, block, row0, col0):
 
 
 @gluon.jit
-def _reduce(a_bufs, b_bufs, ready, empty, acc, step, held, k_end, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-            B_NK: gl.constexpr):
-    """The MMAs of one tile into ``acc``, whose rows are the first ``acc.shape[0]`` of each stage's row
-    buffer; returns ``(acc, step, held)``. The previous tile's last stage (``held``) goes back to the
-    loader once this tile's first MMA is issued, after the store that reads it is done."""
-    for k0 in range(0, k_end, BLOCK_K):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        a_buf = a_bufs.index(slot)
-        if acc.shape[0] < a_buf.shape[0]:
-            a_buf = a_buf.slice(0, acc.shape[0])
-        b_buf = b_bufs.index(slot)
-        if B_NK:
-            b_buf = b_buf.permute((1, 0))
-        acc = warpgroup_mma(a_buf, b_buf, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        if k0 > 0:
-            release(empty, step - 1, STAGES)
-        elif held:
-            tma.store_wait(pendings=0)
-            release(empty, step - 1, STAGES)
-            held = False
-        step += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if held:
-        # This tile loaded nothing (the unrouted tail), so the stage is returned here.
-        tma.store_wait(pendings=0)
-        release(empty, step - 1, STAGES)
-        held = False
-    return acc, step, held
-
-
-@gluon.jit
-def _store_rows(c_ptr, stride_cm, out, row0, col0, end, N):
-    """Masked stores of the rows ``row0 + i < end`` (and columns ``< N``) of an output block."""
-    rows = row0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, out.type.layout))
-    cols = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, out.type.layout))
-    ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-    gl.store(ptrs, out, mask=(rows < end)[:, None] & (cols < N)[None, :])
-
-
-@gluon.jit
 def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, EPI_HALVES: gl.constexpr,
              num_warps: gl.constexpr):
     """The default partition: the MMAs of each tile, then its epilogue.
-
-    A tile with at most BLOCK_M / 2 rows inside its group (a group's last, short block of rows) is a
-    half tile: the two warpgroups split its columns instead of its rows, so its MMAs cover half the
-    rows of a whole tile's.
 
     With EPI_HALVES, ``c_smem`` holds half a tile: a whole tile leaves in two halves of columns, the
     left through ``c_smem``, the right through the weight buffer of the tile's last stage. That stage
@@ -177,8 +122,6 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
     """
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // 2, 2],
-                                                          instr_shape=[16, BLOCK_N // 2, 16])
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
     total_tiles = gl.sum(tiles, axis=0)
     step = 0
@@ -187,41 +130,57 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                          GROUP_M, E_POW2, num_warps)
         k_end = gl.where(group < E, K, 0)
-        if end - row0 <= BLOCK_M // 2:
-            half = gl.zeros((BLOCK_M // 2, BLOCK_N), dtype=gl.float32, layout=half_layout)
-            half, step, held = _reduce(a_bufs, b_bufs, ready, empty, half, step, held, k_end, BLOCK_K, STAGES, B_NK)
-            if k_end > 0:
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        for k0 in range(0, k_end, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            b_buf = b_bufs.index(slot)
+            if B_NK:
+                b_buf = b_buf.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(slot), b_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if k0 > 0:
                 release(empty, step - 1, STAGES)
-            _store_rows(c_ptr, stride_cm, half.to(c_desc.dtype), row0, col0, end, N)
-        else:
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-            acc, step, held = _reduce(a_bufs, b_bufs, ready, empty, acc, step, held, k_end, BLOCK_K, STAGES, B_NK)
-            whole = row0 + BLOCK_M <= end
-            # The tile's last stage goes back now, unless a whole tile's right half leaves through it.
-            if k_end > 0:
-                if not EPI_HALVES:
-                    release(empty, step - 1, STAGES)
-                elif not whole:
-                    release(empty, step - 1, STAGES)
-            out = acc.to(c_desc.dtype)
-            if whole:
-                # The previous tile's stores must have read c_smem before it is overwritten.
+            elif held:
                 tma.store_wait(pendings=0)
-                if EPI_HALVES:
-                    left, right = out.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
-                    _store_from(c_desc, c_smem, left, row0, col0)
-                    if k_end > 0:
-                        last = b_bufs.index((step - 1) % STAGES)._reinterpret(c_desc.dtype, c_desc.block_type.shape,
-                                                                              c_desc.layout)
-                        _store_from(c_desc, last, right, row0, col0 + BLOCK_N // 2)
-                        held = True
-                    else:
-                        tma.store_wait(pendings=0)
-                        _store_from(c_desc, c_smem, right, row0, col0 + BLOCK_N // 2)
+                release(empty, step - 1, STAGES)
+                held = False
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if held:
+            # This tile loaded nothing (the unrouted tail), so the stage is returned here.
+            tma.store_wait(pendings=0)
+            release(empty, step - 1, STAGES)
+            held = False
+        whole = row0 + BLOCK_M <= end
+        # The tile's last stage goes back now, unless a whole tile's right half leaves through it.
+        if k_end > 0:
+            if not EPI_HALVES:
+                release(empty, step - 1, STAGES)
+            elif not whole:
+                release(empty, step - 1, STAGES)
+        out = acc.to(c_desc.dtype)
+        if whole:
+            # The previous tile's stores must have read c_smem before it is overwritten.
+            tma.store_wait(pendings=0)
+            if EPI_HALVES:
+                left, right = out.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
+                _store_from(c_desc, c_smem, left, row0, col0)
+                if k_end > 0:
+                    last = b_bufs.index((step - 1) % STAGES)._reinterpret(c_desc.dtype, c_desc.block_type.shape,
+                                                                          c_desc.layout)
+                    _store_from(c_desc, last, right, row0, col0 + BLOCK_N // 2)
+                    held = True
                 else:
-                    _store_from(c_desc, c_smem, out, row0, col0)
+                    tma.store_wait(pendings=0)
+                    _store_from(c_desc, c_smem, right, row0, col0 + BLOCK_N // 2)
             else:
-                _store_rows(c_ptr, stride_cm, out, row0, col0, end, N)
+                _store_from(c_desc, c_smem, out, row0, col0)
+        else:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+            gl.store(ptrs, out, mask=(rows < end)[:, None] & (cols < N)[None, :])
     tma.store_wait(pendings=0)
 
 
@@ -232,7 +191,7 @@ def _b_block(BLOCK_K, BLOCK_N, B_NK):
 
 
 @gluon.jit
-def _ragged_m_hopper_kernel(a_desc, a_half_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_ptr, M, N, K, E,
+def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_ptr, M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
                             B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, num_warps: gl.constexpr):
@@ -246,7 +205,7 @@ def _ragged_m_hopper_kernel(a_desc, a_half_desc, b_desc, c_desc, c_ptr, stride_c
     gl.warp_specialize([
         (_compute, (c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES, num_warps)),
-        (_loader, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
     ], [LOADER_WARPS], [40])
 
@@ -280,7 +239,7 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
-    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), a_half_desc=descriptor(a, [bm // 2, bk]), b_desc=b_desc,
+    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
             c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1),
