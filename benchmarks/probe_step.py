@@ -15,21 +15,10 @@ import dropless
 from dropless.bench.problem import make_problem
 from dropless.bench.routing import group_sizes
 from dropless.bench.shapes import select_shapes
+from probe_sustained import back_to_back_ms
 
 SECONDS = float(os.environ.get("SECONDS_EACH", 0.5))
 ROUNDS = int(os.environ.get("ROUNDS", 2))
-
-
-def back_to_back_ms(fn) -> float:
-    """Mean milliseconds of ``fn`` over SECONDS of back-to-back calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(); fn(); end.record(); torch.cuda.synchronize()
-    n = max(5, int(SECONDS * 1e3 / start.elapsed_time(end)))
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record(); torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def passes(mm, wgrad, x, w, dy):
@@ -65,7 +54,7 @@ def main() -> None:
         times = {k: [] for k in fns}
         for r in range(ROUNDS):
             for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                times[k].append(back_to_back_ms(fns[k]))
+                times[k].append(back_to_back_ms(fns[k], SECONDS)[0])
         ms = {k: statistics.mean(v) for k, v in times.items()}
         total = {tag: sum(ms[f"{tag} {k}"] for k in ("fwd", "dgrad", "wgrad")) for tag in ("dl", "t")}
         for k in ratios:

@@ -27,17 +27,18 @@ def now() -> str:
     return datetime.datetime.now().strftime("%H:%M:%S.%f")[:-3]
 
 
-def sustained_tflops(fn, flops: int) -> tuple[float, str, str]:
-    """TFLOP/s of ``fn`` run back to back for SECONDS, and the window's wall-clock start and end."""
+def back_to_back_ms(fn, seconds: float) -> tuple[float, str, str]:
+    """Mean milliseconds of ``fn`` over ``seconds`` of back-to-back calls, and the window's wall-clock
+    start and end."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(); fn(); end.record(); torch.cuda.synchronize()
-    n = max(5, int(SECONDS * 1e3 / start.elapsed_time(end)))
+    n = max(5, int(seconds * 1e3 / start.elapsed_time(end)))
     t0 = now()
     start.record()
     for _ in range(n):
         fn()
     end.record(); torch.cuda.synchronize()
-    return flops * n / (start.elapsed_time(end) * 1e-3) / 1e12, t0, now()
+    return start.elapsed_time(end) / n, t0, now()
 
 
 def main() -> None:
@@ -66,7 +67,8 @@ def main() -> None:
                 fns[key] = lambda config=config: run_ragged_m(a, w, offsets, out, config=config)
             for _ in range(ROUNDS):
                 for key, fn in fns.items():
-                    tflops, t0, t1 = sustained_tflops(fn, 2 * M * K * N)
+                    ms, t0, t1 = back_to_back_ms(fn, SECONDS)
+                    tflops = 2 * M * K * N / ms / 1e9
                     windows.append((case, key, tflops, t0, t1))
             del a, w, dense_w, out, ref
             torch.cuda.empty_cache()
