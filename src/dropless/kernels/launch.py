@@ -59,7 +59,8 @@ def next_power_of_2(n: int) -> int:
 
 
 def weight_nk(b: torch.Tensor) -> bool:
-    """``b [E, K, N]`` is a transposed view of ``[E, N, K]`` storage (K contiguous, nn.Linear layout)."""
+    """``b [E, K, N]`` (a weight, or its gradient) is a transposed view of ``[E, N, K]`` storage (K
+    contiguous, nn.Linear layout)."""
     return b.stride(1) == 1 and b.stride(2) != 1
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.groups import group_bounds, grouped_raster, pick
-from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
+from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2, weight_nk
 
 NO_ACCUMULATE, ACCUMULATE_ALL, ACCUMULATE_FLAGGED = 0, 1, 2
 
@@ -140,7 +140,7 @@ def oriented(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.T
     If c is a transposed view (``[E, N, K]`` storage), the product is computed as ``c^T = b^T a``, so
     stores stay coalesced (and TMA-able).
     """
-    if c.stride(1) == 1 and c.stride(2) != 1:
+    if weight_nk(c):
         return b, a, c.transpose(1, 2)
     return a, b, c
 

@@ -11,6 +11,7 @@ import torch
 
 from dropless import reference
 from dropless.backend import use_triton
+from dropless.kernels.launch import weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from dropless.ops.autocast import autocast_operands
@@ -98,7 +99,7 @@ def _backward(ctx, dy: torch.Tensor):
         dx = _GROUPED_MM(dy, w.transpose(1, 2), offsets)
     if ctx.needs_input_grad[1]:
         # Give dw the layout of w: nn.Linear-layout weights viewed as [E, K, N] get [E, N, K] storage.
-        transposed = w.stride(1) == 1 and w.stride(2) != 1
+        transposed = weight_nk(w)
         dw = _WGRAD(x, dy, offsets, transposed)
         dw = dw.transpose(1, 2) if transposed else dw
     return dx, dw, None
