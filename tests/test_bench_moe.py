@@ -17,8 +17,7 @@ from dropless.bench.moe_report import MOE_END, MOE_START  # noqa: E402
 from dropless.bench.readme import END, START  # noqa: E402
 
 ROW_KEYS = {"config", "T", "E", "k", "d", "d_ff", "shared_d_ff", "method", "ms", "ms_rounds", "tflops",
-            "fraction_of_dense",
-            "peak_gib", "max_rel_err", "rel_errs", "failed", "error"}
+            "fraction_of_dense", "peak_gib", "max_rel_err", "rel_errs", "failed", "error"}
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 Each call of a ``@triton.jit`` / ``@gluon.jit`` kernel binds its arguments and specializes every one
 of them (a tensor descriptor's type string holds its shared-memory layout) before it finds the
-compiled kernel: tens of microseconds of host time a launch. ``DirectLaunch`` keys the compiled kernels itself: the first call of a key goes through the JIT
-(which compiles, launches and returns the kernel), later calls launch the compiled kernel directly.
+compiled kernel: tens of microseconds of host time a launch. ``DirectLaunch`` keys the compiled
+kernels itself: the first call of a key goes through the JIT (which compiles, launches and returns
+the kernel), later calls launch the compiled kernel directly.
 
 The key is what the JIT's specialization depends on: the constexpr values, each tensor descriptor's
 dtype, block shape and layout, and for every other argument Triton's own specialization of it
