@@ -10,7 +10,8 @@ import pytest
 from dropless.bench.__main__ import main
 from dropless.bench.peers import METHODS
 from dropless.bench.problem import PASSES
-from dropless.bench.readme import END, START
+from dropless.bench.readme import END, START, render_table
+from dropless.bench.report import summarize
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import QUICK_SHAPES
 from dropless.bench.timing import round_order
@@ -38,8 +39,8 @@ def test_quick_gemm_writes_json_and_plot(quick_run):
     assert {(r["shape"], r["routing"], r["method"], r["pass"]) for r in rows} == {
         (s.name, routing, m, p) for s in QUICK_SHAPES for routing in ROUTINGS for m in METHODS for p in PASSES}
     for r in rows:
-        # A peer may be unsupported on some device; dropless and the torch.mm-based methods never.
-        assert not r["failed"] or r["method"] in ("torch_grouped_mm", "padded_bmm"), r
+        # A peer may be unsupported or not installed; dropless and the torch.mm-based methods never fail.
+        assert not r["failed"] or r["method"] in ("torch_grouped_mm", "padded_bmm", "quack"), r
         if r["failed"]:
             assert r["tflops"] is None and (r["error"] or r["max_rel_err"] is not None)
             continue
@@ -82,3 +83,43 @@ def test_round_order_shuffles_each_round_reproducibly():
     assert orders == [round_order(cases, r, seed=0) for r in range(3)]
     assert round_order(cases, 0, seed=1) != orders[0]
     assert cases == list(range(20))
+
+
+def _row(shape: str, routing: str, method: str, pass_: str, tflops: float | None) -> dict:
+    return {"shape": shape, "E": 2, "M": 8, "K": 4, "N": 4, "routing": routing, "method": method, "pass": pass_,
+            "tflops": tflops, "error": None if tflops else "RuntimeError: quack-kernels is not installed"}
+
+
+def test_summary_is_the_geomean_over_each_peer():
+    rows = [_row("a", "balanced", "dense", "fwd", 400.0), _row("a", "balanced", "dropless", "fwd", 300.0),
+            _row("a", "balanced", "quack", "fwd", 200.0), _row("b", "balanced", "dense", "fwd", 100.0),
+            _row("b", "balanced", "dropless", "fwd", 90.0), _row("b", "balanced", "quack", "fwd", None)]
+    s = summarize(rows)["fwd"]
+    assert s["vs"]["dense"] == pytest.approx((0.75 * 0.9) ** 0.5)
+    assert s["vs"]["quack"] == pytest.approx(1.5)  # only where both were timed
+    assert (s["min_balanced_vs_dense"], s["min_balanced_shape"]) == (pytest.approx(0.75), "a")
+
+
+def test_readme_table_shows_quack_only_where_it_was_timed():
+    meta = {"gpu": "GPU", "torch": "t", "triton": "tr", "dtype": "bfloat16", "commit": "c", "date": "d", "rounds": 3,
+            "rep_ms": 1, "warmup_ms": 1}
+    rows = [_row("a", "balanced", m, p, 100.0 + i) for i, m in enumerate(("dense", "dropless", "torch_grouped_mm"))
+            for p in ("fwd", "fwd+bwd")]
+    without = render_table({"meta": meta, "rows": rows + [_row("a", "balanced", "quack", "fwd", None)]}, "f.json")
+    assert "quack" not in without
+    table = render_table({"meta": meta, "rows": rows + [_row("a", "balanced", "quack", p, 50.0)
+                                                        for p in ("fwd", "fwd+bwd")]}, "f.json")
+    header, cells = table.splitlines()[2], table.splitlines()[4].split(" | ")
+    assert "fwd dropless/quack" in header and "fwd+bwd quack" in header
+    assert cells[header.split(" | ").index("fwd dropless/quack")] == "2.02"
+
+
+def test_quack_rows_say_it_is_missing(quick_run):
+    try:
+        import quack  # noqa: F401
+    except ImportError:
+        rows = json.loads((quick_run / "quick.json").read_text())["rows"]
+        quack_rows = [r for r in rows if r["method"] == "quack"]
+        assert quack_rows and all(r["failed"] and "quack-kernels is not installed" in r["error"] for r in quack_rows)
+    else:
+        pytest.skip("quack-kernels is installed here")

@@ -167,10 +167,49 @@ class Loop(Method):
         raise ValueError(f"unknown pass {pass_!r}")
 
 
+class Quack(Method):
+    """quack's CuTe DSL varlen GEMMs (``quack-kernels``, where it is installed), default configuration:
+    ragged M through ``cu_seqlens_m`` for fwd and dgrad, ragged K through ``cu_seqlens_k`` for wgrad; the
+    fwd+bwd step is an autograd function whose backward runs those two.
+    """
+
+    def __init__(self, p: Problem) -> None:
+        super().__init__(p)
+        try:
+            from quack.gemm_interface import gemm
+        except ImportError as exc:
+            raise RuntimeError("quack-kernels is not installed") from exc
+        cu_seqlens = torch.cat([p.offsets.new_zeros(1), p.offsets])
+
+        def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=False)
+
+        def wgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return gemm(a.t(), b, cu_seqlens_k=cu_seqlens, tuned=False)
+
+        class Product(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                ctx.save_for_backward(a, b)
+                return mm(a, b)
+
+            @staticmethod
+            def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                a, b = ctx.saved_tensors
+                return mm(dy, b.transpose(1, 2)), wgrad(a, dy)
+
+        self.mm, self.wgrad, self.product = mm, wgrad, Product.apply
+
+    def case(self, pass_: str) -> Case:
+        mm = self.product if pass_ == "fwd+bwd" else self.mm
+        return _gemm_case(pass_, mm, self.wgrad, self.p.x, self.p.w, self.p.dy)
+
+
 METHODS: dict[str, Callable[[Problem], Method]] = {
     "dense": Dense,
     "dropless": Dropless,
     "torch_grouped_mm": TorchGroupedMM,
     "loop": Loop,
     "padded_bmm": PaddedBmm,
+    "quack": Quack,
 }

@@ -11,21 +11,28 @@ START = "<!-- perf-table:start -->"
 END = "<!-- perf-table:end -->"
 TABLE_PASSES = ("fwd", "fwd+bwd")
 TABLE_METHODS = ("dense", "dropless", "torch_grouped_mm", "loop")
+RATIO_PEERS = ("dense", "torch_grouped_mm")
+OPTIONAL_PEERS = ("quack",)  # shown where the run timed them
 
 
 def render_table(result: dict, source: str) -> str:
     """Markdown: a line naming the run, then one table row per shape and routing, with the TFLOP/s of
-    dense, dropless, ``torch._grouped_mm`` and the loop for fwd and fwd+bwd, and dropless's ratios
-    to dense and to ``torch._grouped_mm`` (all of one run, so the ratios compare like with like)."""
+    dense, dropless, ``torch._grouped_mm``, the loop (and quack where the run timed it) for fwd and
+    fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm`` (and to quack): all of one run,
+    so the ratios compare like with like."""
     rows = result["rows"]
     at = index_rows(rows)
+    timed = {r["method"] for r in rows if r["tflops"] is not None}
+    extra = tuple(m for m in OPTIONAL_PEERS if m in timed)
+    methods, peers = TABLE_METHODS + extra, RATIO_PEERS + extra
     head = ["shape (E, M, K, N)", "routing"]
     for pass_ in TABLE_PASSES:
-        head += [f"{pass_} {LABELS[m]}" for m in TABLE_METHODS]
-        head += [f"{pass_} dropless/dense", f"{pass_} dropless/_grouped_mm"]
+        head += [f"{pass_} {LABELS[m]}" for m in methods]
+        head += [f"{pass_} dropless/{LABELS[m]}" for m in peers]
+    named = "".join(f", to {LABELS[m]}" for m in extra)
     lines = [f"Measured on {headline(result['meta'])} (`{source}`). TFLOP/s of useful FLOPs "
-             "(2MKN per GEMM, 6MKN for fwd+bwd); ratios are to the dense GEMM and to torch._grouped_mm "
-             "timed in the same run.", "",
+             "(2MKN per GEMM, 6MKN for fwd+bwd); ratios are to the dense GEMM and to torch._grouped_mm"
+             f"{named} timed in the same run.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for shape in unique(rows, "shape"):
         first = next(r for r in rows if r["shape"] == shape)
@@ -33,10 +40,9 @@ def render_table(result: dict, source: str) -> str:
         for routing in unique(rows, "routing"):
             cells = [label, routing]
             for pass_ in TABLE_PASSES:
-                get = {m: at.get((shape, routing, pass_, m)) for m in TABLE_METHODS}
-                cells += [tflops_cell(get[m]) for m in TABLE_METHODS]
-                cells += [ratio_cell(ratio(get["dropless"], get["dense"])),
-                          ratio_cell(ratio(get["dropless"], get["torch_grouped_mm"]))]
+                get = {m: at.get((shape, routing, pass_, m)) for m in methods}
+                cells += [tflops_cell(get[m]) for m in methods]
+                cells += [ratio_cell(ratio(get["dropless"], get[m])) for m in peers]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

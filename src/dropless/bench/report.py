@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 LABELS = {"dense": "dense", "dropless": "dropless", "torch_grouped_mm": "_grouped_mm", "loop": "loop",
-          "padded_bmm": "padded_bmm"}
+          "padded_bmm": "padded_bmm", "quack": "quack"}
 
 Key = tuple[str, str, str, str]  # shape, routing, pass, method
 
@@ -77,27 +77,22 @@ def format_table(result: dict) -> str:
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, dict]:
-    """Per pass, over the (shape, routing) pairs where both methods were timed: the geometric means
-    of dropless / torch._grouped_mm and dropless / dense, and the smallest dropless / dense of the
-    balanced ones (with its shape)."""
+    """Per pass: ``vs`` maps each peer (every method but dropless) to the geometric mean of dropless
+    over it, over the (shape, routing) pairs where both were timed; and the smallest dropless / dense
+    of the balanced pairs (with its shape)."""
     at = index_rows(rows)
+    peers = [m for m in unique(rows, "method") if m != "dropless"]
+    pairs = [(shape, routing) for shape in unique(rows, "shape") for routing in unique(rows, "routing")]
     out = {}
     for pass_ in unique(rows, "pass"):
-        vs_gmm, vs_dense, balanced = [], [], []
-        for shape in unique(rows, "shape"):
-            for routing in unique(rows, "routing"):
-                dl = at.get((shape, routing, pass_, "dropless"))
-                r_gmm = ratio(dl, at.get((shape, routing, pass_, "torch_grouped_mm")))
-                r_dense = ratio(dl, at.get((shape, routing, pass_, "dense")))
-                if r_gmm is not None:
-                    vs_gmm.append(r_gmm)
-                if r_dense is not None:
-                    vs_dense.append(r_dense)
-                    if routing == "balanced":
-                        balanced.append((r_dense, shape))
+        vs = {}
+        for peer in peers:
+            ratios = [ratio(at.get((s, r, pass_, "dropless")), at.get((s, r, pass_, peer))) for s, r in pairs]
+            vs[peer] = _geomean([v for v in ratios if v is not None])
+        balanced = [(v, s) for s, r in pairs if r == "balanced"
+                    if (v := ratio(at.get((s, r, pass_, "dropless")), at.get((s, r, pass_, "dense")))) is not None]
         worst = min(balanced) if balanced else (None, None)
-        out[pass_] = {"geomean_vs_torch_grouped_mm": _geomean(vs_gmm), "geomean_vs_dense": _geomean(vs_dense),
-                      "min_balanced_vs_dense": worst[0], "min_balanced_shape": worst[1]}
+        out[pass_] = {"vs": vs, "min_balanced_vs_dense": worst[0], "min_balanced_shape": worst[1]}
     return out
 
 
@@ -106,13 +101,12 @@ def _geomean(values: Sequence[float]) -> float | None:
 
 
 def format_summary(rows: Sequence[dict]) -> str:
-    lines = ["summary: dropless over peers, geometric mean over shape x routing"]
+    lines = ["summary: dropless over each peer, geometric mean over shape x routing"]
     for pass_, s in summarize(rows).items():
         worst = ratio_cell(s["min_balanced_vs_dense"])
         where = f" ({s['min_balanced_shape']})" if s["min_balanced_shape"] else ""
-        lines.append(f"  {pass_:<8} vs _grouped_mm {ratio_cell(s['geomean_vs_torch_grouped_mm'])}   "
-                     f"vs dense {ratio_cell(s['geomean_vs_dense'])}   "
-                     f"min balanced vs dense {worst}{where}")
+        peers = "   ".join(f"vs {LABELS.get(m, m)} {ratio_cell(v)}" for m, v in s["vs"].items())
+        lines.append(f"  {pass_:<8} {peers}   min balanced vs dense {worst}{where}")
     return "\n".join(lines)
 
 
