@@ -123,3 +123,34 @@ def test_quack_rows_say_it_is_missing(quick_run):
         assert quack_rows and all(r["failed"] and "quack-kernels is not installed" in r["error"] for r in quack_rows)
     else:
         pytest.skip("quack-kernels is installed here")
+
+
+def test_merge_joins_runs_of_disjoint_shapes(tmp_path):
+    from dropless.bench.merge import merge_results
+
+    def run(shape: str, date: str, seconds: float) -> dict:
+        meta = {"gpu": "GPU", "torch": "t", "triton": "tr", "dtype": "bfloat16", "dropless_backend": "triton",
+                "warmup_ms": 300.0, "rep_ms": 150.0, "rounds": 3, "seed": 0, "quick": False, "tolerance": 0.02,
+                "commit": "abc+dirty", "date": date, "seconds": seconds,
+                "group_sizes": {shape: {"balanced": [4, 4]}}, "tuned_configs": {"ragged_m": {shape: "cfg"}}}
+        return {"meta": meta, "rows": [_row(shape, "balanced", m, "fwd", 100.0) for m in ("dense", "dropless")]}
+
+    a, b = run("a", "d1", 10.0), run("b", "d2", 5.5)
+    merged = merge_results([a, b], commit="1234567")
+    assert merged["rows"] == a["rows"] + b["rows"]
+    meta = merged["meta"]
+    assert meta["commit"] == "1234567" and meta["seconds"] == 15.5
+    assert meta["group_sizes"] == {"a": {"balanced": [4, 4]}, "b": {"balanced": [4, 4]}}
+    assert meta["tuned_configs"] == {"ragged_m": {"a": "cfg", "b": "cfg"}}
+    assert [r["date"] for r in meta["runs"]] == ["d1", "d2"] and meta["runs"][1]["shapes"] == ["b"]
+    with pytest.raises(ValueError, match="more than one file"):
+        merge_results([a, run("a", "d3", 1.0)])
+    other = run("b", "d2", 1.0)
+    other["meta"]["rounds"] = 5
+    with pytest.raises(ValueError, match="rounds"):
+        merge_results([a, other])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    out = tmp_path / "m.json"
+    assert main(["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    assert "2 runs split by shape (d1, d2)" in render_table(json.loads(out.read_text()), "m.json")

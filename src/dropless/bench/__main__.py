@@ -1,5 +1,5 @@
-"""``python -m dropless.bench gemm | moe | readme``: run the GEMM benchmark or the whole MoE layer
-benchmark, or regenerate the README tables."""
+"""``python -m dropless.bench gemm | moe | merge | readme``: run the GEMM benchmark or the whole MoE
+layer benchmark, join result files of runs split by shape, or regenerate the README tables."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
+from dropless.bench.merge import merge_results
 from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.moe import METHODS as MOE_METHODS
 from dropless.bench.moe import MoEOptions, run_moe
@@ -66,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--configs", nargs="+", help=f"of {[c.name for c in MOE_CONFIGS]} (default: all)")
     moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: all)")
 
+    merge = sub.add_parser("merge", help="join result files of runs split by shape into one")
+    merge.add_argument("results", nargs="+", type=Path, help="result JSON files of disjoint shapes")
+    merge.add_argument("--out", type=Path, required=True, help="the merged JSON file to write")
+    merge.add_argument("--commit", help="commit of the code the runs ran (default: the first run's)")
+
     readme = sub.add_parser("readme", help=f"regenerate README.md's tables between {START} and {END} (GEMM) "
                                            f"and between {moe_report.MOE_START} and {moe_report.MOE_END} (MoE layer)")
     readme.add_argument("results", nargs="*", type=Path,
@@ -116,6 +122,20 @@ def _moe(args: argparse.Namespace) -> int:
                 lambda result: [moe_report.format_table(result)])
 
 
+def _merge(args: argparse.Namespace) -> int:
+    try:
+        result = merge_results([read_json(p) for p in args.results], args.commit)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write_json(result, args.out)
+    print(f"wrote {args.out} ({len(result['rows'])} rows from {len(args.results)} runs)")
+    png_path = args.out.with_suffix(".png")
+    print(f"wrote {png_path}" if plot(result, png_path) else "no plot: matplotlib is not installed")
+    print(format_summary(result["rows"]))
+    return 0
+
+
 def _readme(args: argparse.Namespace) -> int:
     paths = args.results or sorted(RESULTS.glob("gemm-*.json")) + sorted(RESULTS.glob("moe-*.json"))
     try:
@@ -151,7 +171,7 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"gemm": _gemm, "moe": _moe, "readme": _readme}[args.command](args)
+    return {"gemm": _gemm, "moe": _moe, "merge": _merge, "readme": _readme}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import platform
 import re
 import subprocess
@@ -52,4 +53,16 @@ def describe(device: torch.device, dtype: torch.dtype, commit: str | None = None
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": str(dtype).removeprefix("torch."),
         "dropless_backend": "triton" if use_triton(device) else "reference",
+        "peer_packages": peer_packages(),
     }
+
+
+def peer_packages() -> dict[str, str | None]:
+    """Versions of the optional peers' packages (None: not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in ("quack-kernels", "nvidia-cutlass-dsl"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

@@ -17,22 +17,23 @@ OPTIONAL_PEERS = ("quack",)  # shown where the run timed them
 
 def render_table(result: dict, source: str) -> str:
     """Markdown: a line naming the run, then one table row per shape and routing, with the TFLOP/s of
-    dense, dropless, ``torch._grouped_mm``, the loop (and quack where the run timed it) for fwd and
+    dense, dropless, ``torch._grouped_mm``, the loop (those the run has, and quack where it timed it) for fwd and
     fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm`` (and to quack): all of one run,
     so the ratios compare like with like."""
     rows = result["rows"]
     at = index_rows(rows)
     timed = {r["method"] for r in rows if r["tflops"] is not None}
     extra = tuple(m for m in OPTIONAL_PEERS if m in timed)
-    methods, peers = TABLE_METHODS + extra, RATIO_PEERS + extra
+    run = {r["method"] for r in rows}
+    methods, peers = tuple(m for m in TABLE_METHODS if m in run) + extra, RATIO_PEERS + extra
     head = ["shape (E, M, K, N)", "routing"]
     for pass_ in TABLE_PASSES:
         head += [f"{pass_} {LABELS[m]}" for m in methods]
         head += [f"{pass_} dropless/{LABELS[m]}" for m in peers]
-    named = "".join(f", to {LABELS[m]}" for m in extra)
+    named = ["the dense GEMM", "torch._grouped_mm", *extra]
     lines = [f"Measured on {headline(result['meta'])} (`{source}`). TFLOP/s of useful FLOPs "
-             "(2MKN per GEMM, 6MKN for fwd+bwd); ratios are to the dense GEMM and to torch._grouped_mm"
-             f"{named} timed in the same run.", "",
+             f"(2MKN per GEMM, 6MKN for fwd+bwd); ratios are to {', '.join(named[:-1])} and to {named[-1]}, "
+             "timed in the same run.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for shape in unique(rows, "shape"):
         first = next(r for r in rows if r["shape"] == shape)
@@ -40,7 +41,7 @@ def render_table(result: dict, source: str) -> str:
         for routing in unique(rows, "routing"):
             cells = [label, routing]
             for pass_ in TABLE_PASSES:
-                get = {m: at.get((shape, routing, pass_, m)) for m in methods}
+                get = {m: at.get((shape, routing, pass_, m)) for m in (*methods, *peers)}
                 cells += [tflops_cell(get[m]) for m in methods]
                 cells += [ratio_cell(ratio(get["dropless"], get[m])) for m in peers]
             lines.append("| " + " | ".join(cells) + " |")

@@ -46,8 +46,11 @@ def ratio_cell(value: float | None) -> str:
 
 def headline(meta: dict) -> str:
     """One line naming the device, software, commit and date of a run, and how it timed each case."""
+    when = meta["date"]
+    if "runs" in meta:
+        when = f"{len(meta['runs'])} runs split by shape ({', '.join(run['date'] for run in meta['runs'])})"
     return (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, "
-            f"commit {meta['commit']}, {meta['date']}; each time the median of {meta['rounds']} rounds, a round "
+            f"commit {meta['commit']}, {when}; each time the median of {meta['rounds']} rounds, a round "
             f"timing {meta['rep_ms']:g} ms of runs after {meta['warmup_ms']:g} ms of warm-up")
 
 
