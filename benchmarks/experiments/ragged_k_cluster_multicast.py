@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dropless.kernels.hopper import descriptor, stage_barriers
 from dropless.kernels.ragged_k_hopper import _group_rows, _tile_of, _zero_rows_past
 
-LOADER_WARPS: gl.constexpr = gl.constexpr(1)
+LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # 8 + 4 warps: no idle warp that would miss barrier.cluster
 KERNEL_NAME = "_rk_cluster_kernel"
 
 
