@@ -10,8 +10,8 @@ from pathlib import Path
 
 from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
-from dropless.bench.merge import merge_results
 from dropless.bench.gemm import GemmOptions, run_gemm
+from dropless.bench.merge import merge_results
 from dropless.bench.moe import METHODS as MOE_METHODS
 from dropless.bench.moe import MoEOptions, run_moe
 from dropless.bench.moe_layers import CONFIGS as MOE_CONFIGS

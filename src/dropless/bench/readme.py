@@ -17,9 +17,9 @@ OPTIONAL_PEERS = ("quack",)  # shown where the run timed them
 
 def render_table(result: dict, source: str) -> str:
     """Markdown: a line naming the run, then one table row per shape and routing, with the TFLOP/s of
-    dense, dropless, ``torch._grouped_mm``, the loop (those the run has, and quack where it timed it) for fwd and
-    fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm`` (and to quack): all of one run,
-    so the ratios compare like with like."""
+    dense, dropless, ``torch._grouped_mm`` and the loop (those the run has, and quack where it timed
+    it) for fwd and fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm`` (and to quack):
+    all of one run, so the ratios compare like with like."""
     rows = result["rows"]
     at = index_rows(rows)
     timed = {r["method"] for r in rows if r["tflops"] is not None}
