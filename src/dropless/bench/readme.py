@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from dropless.bench.report import LABELS, headline, index_rows, ratio, ratio_cell, tflops_cell, unique
+from dropless.bench.report import (LABELS, RATIO_PEERS, headline, index_rows, ratio, ratio_cell, tflops_cell,
+                                   timed_optional_peers, unique)
 
 START = "<!-- perf-table:start -->"
 END = "<!-- perf-table:end -->"
 TABLE_PASSES = ("fwd", "fwd+bwd")
 TABLE_METHODS = ("dense", "dropless", "torch_grouped_mm", "loop")
-RATIO_PEERS = ("dense", "torch_grouped_mm")
-OPTIONAL_PEERS = ("quack",)  # shown where the run timed them
 
 
 def render_table(result: dict, source: str) -> str:
@@ -22,8 +21,7 @@ def render_table(result: dict, source: str) -> str:
     all of one run, so the ratios compare like with like."""
     rows = result["rows"]
     at = index_rows(rows)
-    timed = {r["method"] for r in rows if r["tflops"] is not None}
-    extra = tuple(m for m in OPTIONAL_PEERS if m in timed)
+    extra = timed_optional_peers(rows)
     run = {r["method"] for r in rows}
     methods, peers = tuple(m for m in TABLE_METHODS if m in run) + extra, RATIO_PEERS + extra
     head = ["shape (E, M, K, N)", "routing"]

@@ -11,6 +11,8 @@ LABELS = {"dense": "dense", "dropless": "dropless", "torch_grouped_mm": "_groupe
           "padded_bmm": "padded_bmm", "quack": "quack"}
 
 Key = tuple[str, str, str, str]  # shape, routing, pass, method
+RATIO_PEERS = ("dense", "torch_grouped_mm")  # what dropless is always compared with
+OPTIONAL_PEERS = ("quack",)  # compared with where a run timed them
 
 
 def index_rows(rows: Sequence[dict]) -> dict[Key, dict]:
@@ -54,13 +56,20 @@ def headline(meta: dict) -> str:
             f"timing {meta['rep_ms']:g} ms of runs after {meta['warmup_ms']:g} ms of warm-up")
 
 
+def timed_optional_peers(rows: Sequence[dict]) -> tuple[str, ...]:
+    """The optional peers (``OPTIONAL_PEERS``) with at least one timed row."""
+    timed = {r["method"] for r in rows if r["tflops"] is not None}
+    return tuple(m for m in OPTIONAL_PEERS if m in timed)
+
+
 def format_table(result: dict) -> str:
-    """One line per shape x routing x pass: TFLOP/s per method, then dropless over dense and over
-    ``torch._grouped_mm``."""
+    """One line per shape x routing x pass: TFLOP/s per method, then dropless over dense, over
+    ``torch._grouped_mm`` and over each optional peer the run timed."""
     rows = result["rows"]
     at = index_rows(rows)
     methods = unique(rows, "method")
-    cols = [LABELS.get(m, m) for m in methods] + ["dl/dense", "dl/_gmm"]
+    peers = RATIO_PEERS + timed_optional_peers(rows)
+    cols = [LABELS.get(m, m) for m in methods] + [f"dl/{'_gmm' if m == 'torch_grouped_mm' else m}" for m in peers]
     head = f"{'shape':<22}{'routing':<9}{'pass':<8}{'max_grp':>8}" + "".join(f"{c:>12}" for c in cols)
     lines = [f"grouped GEMM, TFLOP/s of useful FLOPs: {headline(result['meta'])}",
              "FAIL = result off the reference, ERR = raised; dl = dropless, _gmm = torch._grouped_mm", head]
@@ -73,8 +82,7 @@ def format_table(result: dict) -> str:
                     continue
                 line = f"{shape:<22}{routing:<9}{pass_:<8}{some['max_group']:>8}"
                 line += "".join(f"{tflops_cell(cells[m]):>12}" for m in methods)
-                line += f"{ratio_cell(ratio(cells.get('dropless'), cells.get('dense'))):>12}"
-                line += f"{ratio_cell(ratio(cells.get('dropless'), cells.get('torch_grouped_mm'))):>12}"
+                line += "".join(f"{ratio_cell(ratio(cells.get('dropless'), cells.get(m))):>12}" for m in peers)
                 lines.append(line)
     return "\n".join(lines)
 
@@ -88,12 +96,10 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict]:
     pairs = [(shape, routing) for shape in unique(rows, "shape") for routing in unique(rows, "routing")]
     out = {}
     for pass_ in unique(rows, "pass"):
-        vs = {}
-        for peer in peers:
-            ratios = [ratio(at.get((s, r, pass_, "dropless")), at.get((s, r, pass_, peer))) for s, r in pairs]
-            vs[peer] = _geomean([v for v in ratios if v is not None])
-        balanced = [(v, s) for s, r in pairs if r == "balanced"
-                    if (v := ratio(at.get((s, r, pass_, "dropless")), at.get((s, r, pass_, "dense")))) is not None]
+        ratios = {peer: {(s, r): ratio(at.get((s, r, pass_, "dropless")), at.get((s, r, pass_, peer)))
+                         for s, r in pairs} for peer in peers}
+        vs = {peer: _geomean([v for v in by_pair.values() if v is not None]) for peer, by_pair in ratios.items()}
+        balanced = [(v, s) for (s, r), v in ratios.get("dense", {}).items() if r == "balanced" and v is not None]
         worst = min(balanced) if balanced else (None, None)
         out[pass_] = {"vs": vs, "min_balanced_vs_dense": worst[0], "min_balanced_shape": worst[1]}
     return out
