@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dropless.quantized import GEMM_RECIPES
 from dropless.train.errors import TrainError
 from dropless.train.model import parameter_counts
 from dropless.train.presets import PRESETS, Preset
@@ -65,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, help="seed of the initialization and of the batches")
     train.add_argument("--expert-bias", action="store_true",
                        help="add DeepSeek-V3's auxiliary-loss-free balancing (a routing bias nudged every step)")
+    train.add_argument("--fp8", choices=GEMM_RECIPES, help="run the experts' GEMMs in FP8 with this recipe "
+                       "(on a GPU with FP8 tensor cores: H100, L4, ...; the CPU runs the same numerics)")
     train.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.set_defaults(handler=_train)
@@ -96,7 +99,8 @@ def _train(args: argparse.Namespace) -> int:
     ranks = distributed.ranks_from_environment()
     device = distributed.resolve_device(args.device, ranks)
     preset = PRESETS[args.preset or ("small" if device.type == "cuda" else "tiny")]
-    model_config = dataclasses.replace(preset.model, expert_bias=args.expert_bias or preset.model.expert_bias)
+    model_config = dataclasses.replace(preset.model, expert_bias=args.expert_bias or preset.model.expert_bias,
+                                       fp8=args.fp8 or preset.model.fp8)
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                  "seed": args.seed}
     train_config = dataclasses.replace(preset.train, **{k: v for k, v in overrides.items() if v is not None})

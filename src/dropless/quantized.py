@@ -71,6 +71,20 @@ RECIPES = {
 }
 
 
+# The recipes a grouped GEMM runs in, by name: how its activations and its weights are quantized.
+GEMM_RECIPES = ("rowwise", "block128", "mxfp8")
+
+
+def operand_recipes(recipe: Recipe) -> tuple[Recipe, Recipe]:
+    """``(activations, weights)`` recipes of a GEMM recipe: block128 pairs 1x128 activation blocks with
+    128x128 weight tiles (DeepSeek-V3), the others use the same recipe for both."""
+    if recipe.name not in GEMM_RECIPES:
+        raise ValueError(f"recipe must be one of {list(GEMM_RECIPES)} for a grouped GEMM, got {recipe.name!r}")
+    if recipe.name == "block128":
+        return recipe, replace(recipe, name="block128x128", tile=True)
+    return recipe, recipe
+
+
 def get_recipe(recipe: str | Recipe, *, pow2: bool | None = None, mx_rounding: str | None = None) -> Recipe:
     """The ``Recipe`` named ``recipe`` (or ``recipe`` itself), with the given options replaced.
 
@@ -116,7 +130,7 @@ class QuantizedTensor:
         return self.data.device
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32, or fp64)."""
+        """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32)."""
         from dropless import reference
 
         return reference.dequantize(self).to(dtype)

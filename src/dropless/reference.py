@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dropless.quantized import E8M0_BIAS, E8M0_DTYPE, FP8_DTYPE, FP8_MAX, QuantizedTensor, Recipe
+
 
 def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
     """``(start, end)`` row range of each group, clamped to ``[0, M]`` as the kernels clamp them."""
@@ -168,3 +170,177 @@ def unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token
     dots = (dy_rows * torch.where(valid[:, None], y_sorted.to(acc), 0.0)).sum(1)
     dweights = torch.zeros(T * k, dtype=acc, device=dy.device).scatter_(0, slot, dots)
     return dy_sorted, dweights.view(T, k).to(weights.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 quantization: the recipes and the layouts of data and scales are dropless.quantized's. The scales
+# come from torch.frexp here and from the fp32 bits in the kernels, so the two are independent.
+
+
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``|x|`` in fp32 with NaN as 0: a NaN element stays NaN in the data and leaves its block's scale alone."""
+    a = x.float().abs()
+    return torch.where(torch.isnan(a), 0.0, a)
+
+
+def _frexp(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v = mantissa * 2**exponent`` with mantissa in ``[0.5, 1)``, exactly (subnormals too); inf counts
+    as ``2**128``, one past fp32's exponents, as its bits say."""
+    mantissa, exponent = torch.frexp(v)
+    inf = torch.isinf(v)
+    return torch.where(inf, 0.5, mantissa), torch.where(inf, 129, exponent)
+
+
+def fp32_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """The fp32 scale of blocks whose largest magnitude is ``amax``: ``amax / 448`` (rounded to nearest
+    in fp32), with ``pow2`` rounded up to a power of two, exactly; 1 where that is 0 (amax 0, or so
+    small that ``amax / 448`` underflows)."""
+    s = amax / FP8_MAX
+    if pow2:
+        mantissa, exponent = _frexp(s)
+        s = torch.ldexp(torch.ones_like(s), torch.where(mantissa == 0.5, exponent - 1, exponent))
+    return torch.where(s > 0, s, 1.0)
+
+
+def e8m0_exponent(amax: torch.Tensor, rounding: str) -> torch.Tensor:
+    """The MXFP8 scale exponent (int32, in ``[-127, 127]``) of blocks whose largest magnitude is ``amax``.
+
+    ``"floor"`` (OCP MX v1.0): ``floor(log2(amax)) - 8``, 8 being the exponent of e4m3's largest power of
+    two. ``"rceil"``: ``ceil(log2(s))`` with ``s = amax / 448`` rounded to nearest in fp32. Both are
+    exact (subnormals included) and clamped to E8M0's range; amax 0 gives -127.
+    """
+    if rounding == "floor":
+        value = amax
+        exponent = _frexp(amax)[1] - 1 - 8
+    else:
+        value = amax / FP8_MAX
+        mantissa, exponent = _frexp(value)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.where(value > 0, exponent, -127).clamp(-127, 127).to(torch.int32)
+
+
+def _cast_fp8(y: torch.Tensor) -> torch.Tensor:
+    """fp32 to float8_e4m3fn, saturated to +-448, rounded to nearest even; NaN stays NaN."""
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _scales(amax: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale as stored, scale as fp32)`` of blocks with largest magnitude ``amax``."""
+    if recipe.name != "mxfp8":
+        scale = fp32_scale(amax, recipe.pow2)
+        return scale, scale
+    exponent = e8m0_exponent(amax, recipe.mx_rounding)
+    stored = (exponent + E8M0_BIAS).to(torch.uint8).view(E8M0_DTYPE)
+    return stored, torch.ldexp(torch.ones_like(amax), exponent)  # 2**-127 is an fp32 subnormal: exact
+
+
+def _quantize_last(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., S]`` along its last dim in blocks of ``recipe.block`` (the whole slice for
+    rowwise): contiguous data ``[..., S]`` and scale ``[..., cdiv(S, block)]`` (``[..., 1]`` rowwise)."""
+    S = x.shape[-1]
+    block = recipe.block or max(S, 1)
+    blocks = -(-S // block) if recipe.block else 1
+    padded = torch.nn.functional.pad(x.float(), (0, blocks * block - S)).view(*x.shape[:-1], blocks, block)
+    stored, scale = _scales(_magnitude(padded).amax(-1), recipe)
+    data = _cast_fp8(padded / scale[..., None]).view(*x.shape[:-1], blocks * block)[..., :S]
+    return data.contiguous(), stored
+
+
+def _unit_stride(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` laid out with ``dim`` contiguous (a view of storage whose last dim is ``dim``)."""
+    return t.movedim(dim, -1).contiguous().movedim(-1, dim)
+
+
+def _tile_amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of each 128x128 tile of the last two dims: ``[..., cdiv(R, 128), cdiv(C, 128)]``."""
+    R, C = x.shape[-2:]
+    tiles_r, tiles_c = -(-R // 128), -(-C // 128)
+    padded = torch.nn.functional.pad(_magnitude(x), (0, tiles_c * 128 - C, 0, tiles_r * 128 - R))
+    return padded.view(*x.shape[:-2], tiles_r, 128, tiles_c, 128).amax(dim=(-3, -1))
+
+
+def _expand(scale: torch.Tensor, dim: int, block: int, size: int) -> torch.Tensor:
+    """Each scale repeated over its ``block`` elements along ``dim``, cut to ``size``."""
+    return scale.repeat_interleave(block, dim).narrow(dim, 0, size)
+
+
+def quantize(x: torch.Tensor, recipe: Recipe, dim: int, offsets: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to FP8 along ``dim`` with ``recipe`` (a ``dropless.quantized.Recipe``).
+
+    x: any float dtype and strides. offsets: int ``[E]`` cumulative group ends, for a 2D x quantized
+    along dim 0 per group (no block crosses a group boundary; rows past ``offsets[-1]`` quantize to 0).
+    Returns ``(data, scale)`` laid out as ``dropless.quantized`` says: data float8_e4m3fn of x's shape
+    with unit stride along dim; scale contiguous, fp32 (float8_e8m0fnu for mxfp8).
+    """
+    dim = dim % x.dim()
+    if offsets is not None:
+        M, K = x.shape
+        data = torch.zeros(K, M, dtype=FP8_DTYPE, device=x.device).t()
+        rows = offsets.shape[0] + (-(-M // recipe.block) if recipe.block else 0)
+        # Rows no block uses hold 1: 2**0 as an E8M0 byte for mxfp8 (filled through a uint8 view).
+        if recipe.name == "mxfp8":
+            scale = torch.full((rows, K), E8M0_BIAS, dtype=torch.uint8, device=x.device)
+        else:
+            scale = torch.ones(rows, K, device=x.device)
+        for e, (start, end) in enumerate(group_bounds(offsets, M)):
+            if end == start:
+                continue
+            group_data, group_scale = quantize(x[start:end], recipe, 0)
+            data[start:end] = group_data
+            first = e if recipe.block is None else start // recipe.block + e
+            scale[first:first + group_scale.shape[0]] = group_scale.view(scale.dtype)
+        return data, scale.view(recipe.scale_dtype)
+    if recipe.tile:
+        stored, scale = _scales(_tile_amax(x), recipe)
+        R, C = x.shape[-2:]
+        expanded = _expand(_expand(scale, -2, 128, R), -1, 128, C)
+        return _unit_stride(_cast_fp8(x.float() / expanded), dim), stored
+    data, scale = _quantize_last(x.movedim(dim, -1), recipe)
+    return data.movedim(-1, dim), scale.movedim(-1, dim).contiguous()
+
+
+def _group_scale_rows(q: QuantizedTensor, M: int) -> torch.Tensor:
+    """The scale row of each of the M rows of a per-group ``QuantizedTensor`` (row 0 past the last group,
+    whose data is 0)."""
+    index = torch.zeros(M, dtype=torch.int64)
+    for e, (start, end) in enumerate(group_bounds(q.offsets, M)):
+        if q.recipe.block is None:
+            index[start:end] = e
+        else:
+            index[start:end] = start // q.recipe.block + e + torch.arange(end - start) // q.recipe.block
+    return index.to(q.data.device)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """``data * scale`` in fp32 (the scale broadcast over its block), a new contiguous tensor of q's shape."""
+    data = q.data.float()
+    scale = q.scale.float()
+    if q.offsets is not None:
+        return data * scale[_group_scale_rows(q, data.shape[0])]
+    if q.recipe.tile:
+        R, C = data.shape[-2:]
+        return data * _expand(_expand(scale, -2, 128, R), -1, 128, C)
+    if q.recipe.block is None:
+        return data * scale
+    return data * _expand(scale, q.dim, q.recipe.block, data.shape[q.dim])
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """The 128x4 swizzled layout of MX scales that Blackwell's block-scaled GEMMs read (cuBLAS's "1D block
+    scaling factors layout"; CUTLASS and ``torch._scaled_mm`` read the same), flat.
+
+    scale: ``[rows, cols]`` (rows: the rows of the operand, cols: its 32-element blocks along K). It is
+    padded with zeros to ``rows`` a multiple of 128 and ``cols`` of 4 and cut into 128x4 tiles, stored
+    tile after tile in row-major order of tiles; inside a tile, scale ``(r, c)`` sits at
+    ``(r % 32) * 16 + (r // 32) * 4 + c``, so one 16-byte load gives a thread the 4 scales of 4 rows
+    32 apart.
+    """
+    rows, cols = scale.shape
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    raw = scale.view(torch.uint8) if scale.element_size() == 1 else scale
+    padded = raw.new_zeros(padded_rows, padded_cols)
+    padded[:rows, :cols] = raw
+    tiles = padded.view(padded_rows // 128, 128, padded_cols // 4, 4).permute(0, 2, 1, 3)
+    swizzled = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1)
+    return swizzled.view(scale.dtype) if scale.element_size() == 1 else swizzled

@@ -1,5 +1,6 @@
-"""``python -m dropless.bench gemm | moe | merge | readme``: run the GEMM benchmark or the whole MoE
-layer benchmark, join result files of runs split by shape, or regenerate the README tables."""
+"""``python -m dropless.bench gemm | fp8 | moe | merge | readme``: run the GEMM benchmark, its FP8
+version or the whole MoE layer benchmark, join result files of runs split by shape, or regenerate the
+README tables."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
+from dropless.bench.fp8 import Fp8Options, format_fp8_table, run_fp8
+from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.merge import merge_results
 from dropless.bench.moe import METHODS as MOE_METHODS
@@ -60,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     gemm.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
     gemm.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
     gemm.add_argument("--methods", nargs="+", help=f"of {list(METHODS)} (default: all)")
+
+    fp8 = _add_run_arguments(sub.add_parser(
+        "fp8", help="time the FP8 grouped GEMMs (every recipe, weights cached or quantized in the call) against "
+                    "dropless BF16, torchao, torch._scaled_grouped_mm and a dense FP8 ceiling"), "fp8", "tiny shapes")
+    fp8.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
+    fp8.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    fp8.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
+    fp8.add_argument("--methods", nargs="+", help=f"of {list(FP8_METHODS)} (default: all)")
 
     moe = _add_run_arguments(sub.add_parser(
         "moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm layer and "
@@ -113,6 +124,13 @@ def _gemm(args: argparse.Namespace) -> int:
                        **_run_options(args))
     return _run(args, "gemm", lambda: run_gemm(opts), opts, plot,
                 lambda result: [format_summary(result["rows"]), format_table(result)])
+
+
+def _fp8(args: argparse.Namespace) -> int:
+    opts = Fp8Options(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+                      passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(FP8_METHODS),
+                      **_run_options(args))
+    return _run(args, "fp8", lambda: run_fp8(opts), opts, plot, lambda result: [format_fp8_table(result)])
 
 
 def _moe(args: argparse.Namespace) -> int:
@@ -171,7 +189,7 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"gemm": _gemm, "moe": _moe, "merge": _merge, "readme": _readme}[args.command](args)
+    return {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "merge": _merge, "readme": _readme}[args.command](args)
 
 
 if __name__ == "__main__":

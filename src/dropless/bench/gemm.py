@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,9 @@ class GemmOptions(RunOptions):
     routings: Sequence[str] = ROUTINGS
     passes: Sequence[str] = PASSES
     methods: Sequence[str] = tuple(METHODS)
+    registry: dict[str, Callable[[Problem], Method]] = field(default_factory=lambda: dict(METHODS))
+    tolerance: float | None = None  # largest max_rel_err passed (None: the dtype's TOLERANCE)
+    align: int = 1  # every group size a multiple of this (peers that need 16-row groups)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -46,7 +49,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
     method and pass, in that nesting order)."""
     shapes = select_shapes(opts.shapes, opts.quick)
     for name, given, known in (("routing", opts.routings, ROUTINGS), ("pass", opts.passes, PASSES),
-                               ("method", opts.methods, tuple(METHODS))):
+                               ("method", opts.methods, tuple(opts.registry))):
         unknown = [g for g in given if g not in known]
         if unknown:
             raise ValueError(f"unknown {name}(s) {unknown}; choose from {list(known)}")
@@ -54,12 +57,12 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
     meta.update(warmup_ms=opts.warmup, rep_ms=opts.rep, rounds=opts.rounds, seed=opts.seed, quick=opts.quick,
                 max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference, largest over the "
                             "pass's results (y, dx, dw)",
-                tolerance=TOLERANCE[opts.dtype], group_sizes={})
+                tolerance=_tolerance(opts), group_sizes={})
     rows = []
     started = time.perf_counter()
     for shape in shapes:
         for routing in opts.routings:
-            sizes = group_sizes(shape.E, shape.M, routing, opts.seed)
+            sizes = group_sizes(shape.E, shape.M, routing, opts.seed, opts.align)
             meta["group_sizes"].setdefault(shape.name, {})[routing] = sizes
             tic = time.perf_counter()
             rows += _run_case(shape, routing, sizes, opts)
@@ -83,7 +86,7 @@ def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -
     problem = make_problem(shape, sizes, opts.dtype, opts.device, opts.seed)
     refs = References(problem)
     rows, timed = [], []
-    methods = {name: _build(name, problem) for name in opts.methods}
+    methods = {name: _build(opts.registry[name], problem) for name in opts.methods}
     for name, (method, error) in methods.items():
         for pass_ in opts.passes:
             row = {**base, "method": name, "pass": pass_, "ms": None, "ms_rounds": None, "tflops": None,
@@ -112,9 +115,9 @@ def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -
     return rows
 
 
-def _build(name: str, problem: Problem) -> tuple[Method | None, str | None]:
+def _build(builder: Callable[[Problem], Method], problem: Problem) -> tuple[Method | None, str | None]:
     try:
-        return METHODS[name](problem), None
+        return builder(problem), None
     except Exception as exc:  # an unsupported peer or out of memory: recorded, the run goes on
         return None, _describe_error(exc)
 
@@ -135,11 +138,15 @@ def _check(method: Method, pass_: str, refs: References, opts: GemmOptions, row:
         row["error"] = _describe_error(exc)
         return None
     row["max_rel_err"] = err if math.isfinite(err) else None
-    if not err <= TOLERANCE[opts.dtype]:
+    if not err <= _tolerance(opts):
         row["failed"] = True
         row["error"] = None if math.isfinite(err) else "non-finite result"
         return None
     return case
+
+
+def _tolerance(opts: GemmOptions) -> float:
+    return TOLERANCE[opts.dtype] if opts.tolerance is None else opts.tolerance
 
 
 def _fill_ratios(rows: list[dict]) -> None:

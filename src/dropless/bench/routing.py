@@ -10,14 +10,18 @@ ROUTINGS = ("balanced", "skewed")
 ZIPF_EXPONENT = 1.2
 
 
-def group_sizes(E: int, M: int, routing: str, seed: int = 0) -> list[int]:
-    """Rows per expert, ``E`` ints summing to ``M``.
+def group_sizes(E: int, M: int, routing: str, seed: int = 0, align: int = 1) -> list[int]:
+    """Rows per expert, ``E`` ints summing to ``M``, each a multiple of ``align`` (which must divide M).
 
     ``balanced``: equal groups, the remainder spread one row each over the first experts.
     ``skewed``: ``ceil(E / 8)`` experts empty (at least one, never all), the others ranked by a Zipf(1.2)
     popularity, ``rows ~ M * rank^-1.2``; the seed decides which experts are empty and which rank
     each of the others takes.
     """
+    if align > 1:
+        if M % align:
+            raise ValueError(f"align={align} must divide M={M}")
+        return [align * size for size in group_sizes(E, M // align, routing, seed)]
     if routing == "balanced":
         base, extra = divmod(M, E)
         return [base + (e < extra) for e in range(E)]

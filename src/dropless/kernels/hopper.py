@@ -16,7 +16,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+             torch.float8_e4m3fn: gl.float8e4nv}
 # What one program may allocate on sm_90 (227 KB), less room for the mbarriers and the compiler's scratch.
 SHARED_MEMORY_BYTES = 227 * 1024 - 2048
 

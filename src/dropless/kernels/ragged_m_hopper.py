@@ -4,7 +4,10 @@
     c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert)
 
 Same contract as ``ragged_m.py`` for 16-bit operands that TMA can read: a ``[M, K]`` row-major, b
-``[E, K, N]`` with N or K contiguous, c ``[M, N]`` row-major, all of one dtype.
+``[E, K, N]`` with N or K contiguous, c ``[M, N]`` row-major, all of one dtype. Or FP8 (e4m3) a and b,
+b with K contiguous (the K-major operand FP8 wgmma reads), with rowwise scales applied in the epilogue:
+
+    c[m, n] = sa[m] * sb[e, n] * sum_k a[m, k] b[e, k, n]          (fp32 accumulation, c in bf16/fp16/fp32)
 
 Tiles are numbered group after group (group E is the unrouted tail, written as zeros); every
 partition derives that numbering from ``offsets`` on the device. One loader warp runs ahead through
@@ -109,10 +112,25 @@ def _store_from(c_desc, buffer, block, row0, col0):
 
 
 @gluon.jit
-def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
+def _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's row scales ``sa[rows]`` and column scales ``sb[group, cols]``, 0 outside the group's rows
+    and columns (and for the unrouted tail, whose rows may hold anything): loaded before the tile's MMAs
+    so their latency hides behind them."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    routed = group < E
+    sa = gl.load(sa_ptr + rows, mask=(rows < end) & routed, other=0.0)
+    sb = gl.load(sb_ptr + group.to(gl.int64) * stride_sbe + cols, mask=(cols < N) & routed, other=0.0)
+    return sa, sb
+
+
+@gluon.jit
+def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
+             offsets_ptr, M, N, K, E,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, EPI_HALVES: gl.constexpr,
-             num_warps: gl.constexpr):
+             SCALED: gl.constexpr, INSTR_K: gl.constexpr, num_warps: gl.constexpr):
     """The default partition: the MMAs of each tile, then its epilogue.
 
     With EPI_HALVES, ``c_smem`` holds half a tile: a whole tile leaves in two halves of columns, the
@@ -121,7 +139,7 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
     so neither half waits for the other.
     """
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
     total_tiles = gl.sum(tiles, axis=0)
     step = 0
@@ -130,6 +148,8 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                          GROUP_M, E_POW2, num_warps)
         k_end = gl.where(group < E, K, 0)
+        if SCALED:
+            sa, sb = _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout, BLOCK_M, BLOCK_N)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for k0 in range(0, k_end, BLOCK_K):
             slot = step % STAGES
@@ -159,6 +179,8 @@ def _compute(c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, off
                 release(empty, step - 1, STAGES)
             elif not whole:
                 release(empty, step - 1, STAGES)
+        if SCALED:
+            acc = acc * sa[:, None] * sb[None, :]
         out = acc.to(c_desc.dtype)
         if whole:
             # The previous tile's stores must have read c_smem before it is overwritten.
@@ -191,20 +213,25 @@ def _b_block(BLOCK_K, BLOCK_N, B_NK):
 
 
 @gluon.jit
-def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_ptr, M, N, K, E,
+def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, offsets_ptr,
+                            M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
-                            B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, num_warps: gl.constexpr):
+                            B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, SCALED: gl.constexpr,
+                            num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
+    # One wgmma multiplies 32 bytes of K per row: 16 elements of 16 bits, 32 of FP8.
+    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_block: gl.constexpr = _b_block(BLOCK_K, BLOCK_N, B_NK)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, b_block[0], b_block[1]],
                                        gl.NVMMASharedLayout.get_default_for(b_block, dtype))
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready, empty = stage_barriers(STAGES)
     gl.warp_specialize([
-        (_compute, (c_desc, c_ptr, stride_cm, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES, num_warps)),
+        (_compute, (c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
+                    offsets_ptr, M, N, K, E, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES,
+                    SCALED, INSTR_K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
     ], [LOADER_WARPS], [40])
@@ -213,34 +240,43 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, offsets_pt
 _LAUNCH = DirectLaunch(_ragged_m_hopper_kernel)
 
 
-def output_in_halves(config: GemmConfig, element_size: int) -> bool:
+def output_in_halves(config: GemmConfig, element_size: int, out_element_size: int | None = None) -> bool:
     """Whether the output tile leaves in two halves of columns: the whole tile's staging buffer does not
     fit in shared memory beside the stage ring, half of it does, and a stage's weight buffer holds the
-    other half. ValueError if the config fits neither way."""
+    other half. ``element_size``: bytes per operand element; ``out_element_size``: per output element
+    (default: the same). ValueError if the config fits neither way."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    out_size = out_element_size or element_size
     ring = config.num_stages * (bm + bn) * bk * element_size
-    tile = bm * bn * element_size
+    tile = bm * bn * out_size
     if ring + tile <= SHARED_MEMORY_BYTES:
         return False
-    if ring + tile // 2 <= SHARED_MEMORY_BYTES and 2 * bk >= bm:
+    if ring + tile // 2 <= SHARED_MEMORY_BYTES and 2 * bk * element_size >= bm * out_size:
         return True
     raise ValueError(f"tile config {config} does not fit in shared memory ({ring + tile // 2} bytes or more)")
 
 
 def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                       config: GemmConfig, num_programs: int) -> None:
+                       config: GemmConfig, num_programs: int,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, which
-    ``launch.hopper_kernels_ok`` accepts (b as stored: along N, or along K for an nn.Linear view)."""
+    ``launch.hopper_kernels_ok`` accepts (b as stored: along N, or along K for an nn.Linear view).
+
+    FP8 operands (b with K contiguous) take ``scales = (sa, sb)``: fp32 ``sa`` with one scale per row of a
+    (``M`` contiguous values) and ``sb [E, N]`` with unit stride along N, applied in the epilogue.
+    """
     M, K = a.shape
     E, _, N = b.shape
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    halves = output_in_halves(config, a.element_size())
+    halves = output_in_halves(config, a.element_size(), c.element_size())
     b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
+    sa, sb = scales if scales is not None else (c, c)
     _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
             c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
+            sa_ptr=sa, sb_ptr=sb, stride_sbe=sb.stride(0) if scales is not None else 0,
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1),
-            B_NK=b_nk, EPI_HALVES=halves, num_warps=config.num_warps)
+            B_NK=b_nk, EPI_HALVES=halves, SCALED=scales is not None, num_warps=config.num_warps)

@@ -8,7 +8,9 @@ from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
+from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
 from dropless.kernels.ragged_m import ragged_m_mm
+from dropless.kernels.ragged_m_fp8 import ragged_m_fp8_mm, scale_map
 
 # Output tile BLOCK_M x BLOCK_N, reduction step BLOCK_K. Measured winners on an H100 (benchmarks/NOTES.md):
 # flattened 128x256 tiles for short K, warp-specialized ones with TMA stores for long K, two 128x128
@@ -96,6 +98,127 @@ _RAGGED_K_HOPPER_ACCUMULATE = Autotuner(
 )
 
 
+# FP8 operands (Hopper's FP8 tensor cores, both operands K-major): a stage holds half the bytes of a
+# 16-bit one, so steps are 128 deep. Where each step's product is promoted into the fp32 accumulator,
+# the step's product and the accumulator both live in registers: 128x128 tiles over 8 warps hold 64 + 64
+# registers a thread, 128x256 ones would spill (DeepGEMM reaches 128x256 with setmaxnreg, which plain
+# Triton lacks). One H100 probe (M=16384, K=4096, N=2048, E=8, bf16 out; 16-bit kernel 724 TFLOP/s):
+# rowwise 826 TFLOP/s promoted, 1167 with fast accumulation; block128 589 warp-specialized, 329-423
+# flattened; mxfp8 120 unflattened with 3 stages, 5-50 flattened with 4-8 stages (flattening a loop
+# that loads scales every step collapses it).
+_RAGGED_M_FP8 = Autotuner(
+    "ragged_m_fp8",
+    candidates=[
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=5, flatten=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, warp_specialize=True, tma_store=True),
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=4, flatten=True),
+    ],
+    default=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Scales in the epilogue with fast accumulation: one accumulator, so the 16-bit kernels' 128x256 tiles.
+# A flattened loop keeps its stages alive through the epilogue, beside the fp32 tile it reshapes on the
+# way out (128 KB at 128x256): 64-deep stages are what leave room for an fp32 output.
+_RAGGED_M_FP8_FAST = Autotuner(
+    "ragged_m_fp8_fast",
+    candidates=[
+        GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3, flatten=True),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True),
+        GemmConfig(128, 128, 128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=2),
+    ],
+    default=GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Scales promoted every 128 or more along K (1x128 activations, 128x128 weight tiles).
+_RAGGED_M_FP8_STEP128 = Autotuner(
+    "ragged_m_fp8_step128",
+    candidates=[
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, warp_specialize=True, tma_store=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+        GemmConfig(64, 128, 128, num_warps=4, num_stages=4, flatten=True),
+    ],
+    default=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, warp_specialize=True, tma_store=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Scales promoted every 32 along K (MXFP8's 1x32 blocks, emulated on Hopper): one tensor-core
+# instruction deep per step.
+_RAGGED_M_FP8_STEP32 = Autotuner(
+    "ragged_m_fp8_step32",
+    candidates=[
+        GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
+        GemmConfig(128, 128, 32, num_warps=8, num_stages=4),
+        GemmConfig(128, 128, 32, num_warps=8, num_stages=6, warp_specialize=True, tma_store=True),
+        GemmConfig(64, 128, 32, num_warps=4, num_stages=3),
+    ],
+    default=GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Output tile BLOCK_K x BLOCK_N of dw[e], reduction step BLOCK_M tokens, each step's product promoted
+# (token blocks of 128, or one scale per group with precise accumulation): 128x128 output tiles. The same
+# H100 probe (M=16384, K=N=2048, E=8): rowwise 677 TFLOP/s promoted, 1008 with fast accumulation;
+# blockwise scales take the pointer path (a TMA window must start 16-byte aligned along the tokens,
+# see ragged_k_fp8.py): 64-66 TFLOP/s.
+_RAGGED_K_FP8 = Autotuner(
+    "ragged_k_fp8",
+    candidates=[
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, by_work=True),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=6, by_work=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=3, by_work=True, tma_store=True),
+    ],
+    default=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, by_work=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# One scale per group with fast accumulation: 128x256 output tiles, 48 KB stages of 128 tokens.
+_RAGGED_K_FP8_FAST = Autotuner(
+    "ragged_k_fp8_fast",
+    candidates=[
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=4, by_work=True),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=4),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=6, by_work=True),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3, by_work=True, tma_store=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, by_work=True),
+    ],
+    default=GemmConfig(128, 256, 128, num_warps=8, num_stages=4, by_work=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+# Token blocks of 32 (MXFP8): 32-row steps.
+_RAGGED_K_FP8_STEP32 = Autotuner(
+    "ragged_k_fp8_step32",
+    candidates=[
+        GemmConfig(32, 128, 128, num_warps=8, num_stages=8, by_work=True),
+        GemmConfig(32, 128, 128, num_warps=8, num_stages=6, by_work=True),
+        GemmConfig(32, 128, 128, num_warps=8, num_stages=8),
+        GemmConfig(32, 128, 64, num_warps=4, num_stages=8, by_work=True),
+    ],
+    default=GemmConfig(32, 128, 128, num_warps=8, num_stages=8, by_work=True),
+    interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
+)
+
+
+def _fp8_tuner(step: int | None, fast_accum: bool, fast: Autotuner, promoted: Autotuner, step128: Autotuner,
+               step32: Autotuner) -> Autotuner:
+    """The tuner for a promotion ``step`` along the reduction (None: scales in the epilogue, promoted
+    into fp32 every BLOCK_K unless ``fast_accum``)."""
+    if step is None:
+        return fast if fast_accum else promoted
+    return step128 if step >= 128 else step32
+
+
+FP8_TUNERS = (_RAGGED_M_FP8, _RAGGED_M_FP8_FAST, _RAGGED_M_FP8_STEP128, _RAGGED_M_FP8_STEP32, _RAGGED_K_FP8,
+              _RAGGED_K_FP8_FAST, _RAGGED_K_FP8_STEP32)
+
+
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                  tma: bool | None = None, config: GemmConfig | None = None) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
@@ -145,6 +268,70 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     run(config)
 
 
+def run_ragged_m_fp8(a: torch.Tensor, a_scale: torch.Tensor, a_block: tuple[int | None, int | None],
+                     b: torch.Tensor, b_scale: torch.Tensor, b_block: tuple[int | None, int | None],
+                     offsets: torch.Tensor, c: torch.Tensor, fast_accum: bool = False, tma: bool | None = None,
+                     config: GemmConfig | None = None) -> None:
+    """``c[s_e:t_e] = (a * sa)[s_e:t_e] @ (b[e] * sb[e])``, zero past ``offsets[-1]``, with the tuned config
+    of its class or with ``config``; nothing syncs with the host.
+
+    a: float8_e4m3fn ``[M, K]`` (K contiguous for TMA); b: float8_e4m3fn ``[E, K, N]`` (K contiguous, a
+    view of ``[E, N, K]`` storage, for TMA); c: ``[M, N]`` bf16, fp16 or fp32; offsets: int32 ``[E]``.
+    a_scale: 2D, one scale per ``a_block = (rows, ks)`` block of a; b_scale: 3D ``[E, ., .]``, one per
+    ``b_block = (ks, cols)`` block of each expert; any strides, fp32 or E8M0 (``float8_e8m0fnu`` or its
+    uint8 view); None spans the whole dim. So, as ``dropless.quantized`` lays them out:
+    rowwise ``a_block=(1, None)`` with ``[M, 1]`` and ``b_block=(None, 1)`` with ``[E, 1, N]``; block128
+    ``(1, 128)`` with ``[M, cdiv(K, 128)]`` and ``(128, 128)`` with ``[E, cdiv(K, 128), cdiv(N, 128)]``;
+    mxfp8 ``(1, 32)`` with ``[M, cdiv(K, 32)]`` and ``(32, 1)`` with ``[E, cdiv(K, 32), N]``. Blocks along
+    K are powers of two of at least 32 (ValueError otherwise). fast_accum: see ``ragged_m_fp8_mm``.
+    """
+    info = launch_info(a.device, tma)
+    scales = scale_map(a, a_scale, a_block, b, b_scale, b_block)
+    step = scales.step
+    tuner = _fp8_tuner(step, fast_accum, _RAGGED_M_FP8_FAST, _RAGGED_M_FP8, _RAGGED_M_FP8_STEP128,
+                       _RAGGED_M_FP8_STEP32)
+    key = problem_class(a.device, c.dtype, step, fast_accum, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2],
+                        b.shape[0], M=a.shape[0])
+
+    def run(config: GemmConfig, out: torch.Tensor = c) -> None:
+        ragged_m_fp8_mm(a, a_scale, b, b_scale, scales, offsets, out, config, info, fast_accum)
+
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))
+    run(config)
+
+
+def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     block: int | None, offsets: torch.Tensor, c: torch.Tensor, accumulate: int,
+                     flags: torch.Tensor | None, fast_accum: bool = False, tma: bool | None = None,
+                     config: GemmConfig | None = None) -> None:
+    """``c[e] (+)= (a * sa)[s_e:t_e]^T @ (b * sb)[s_e:t_e]`` with the tuned config of its class or with
+    ``config``; nothing syncs with the host.
+
+    a: float8_e4m3fn ``[M, K]``, b: float8_e4m3fn ``[M, N]``, both quantized per group along the tokens
+    and M contiguous for TMA (views of ``[K, M]`` and ``[N, M]`` storage); c: ``[E, K, N]`` bf16 or fp32,
+    any strides (a transposed view is computed as ``c^T = b^T a``, so its stores stay along its
+    contiguous dim). block: tokens per scale block (128 for block128, 32 for mxfp8; a power of two of at
+    least 32), None for rowwise. a_scale: ``[E, K]`` (rowwise) or ``[cdiv(M, block) + E, K]``, b_scale
+    likewise with N, laid out as ``dropless.quantized`` says, any strides, fp32 or E8M0. accumulate and
+    flags: as ``run_ragged_k``. fast_accum: see ``ragged_k_fp8_mm``.
+    """
+    if weight_nk(c):
+        a, a_scale, b, b_scale, c = b, b_scale, a, a_scale, c.transpose(1, 2)
+    info = launch_info(a.device, tma)
+    tuner = _fp8_tuner(block, fast_accum, _RAGGED_K_FP8_FAST, _RAGGED_K_FP8, _RAGGED_K_FP8, _RAGGED_K_FP8_STEP32)
+    key = problem_class(a.device, c.dtype, block, fast_accum, accumulate != 0, info.tma, a.shape[1], b.shape[1],
+                        c.shape[0], M=a.shape[0])
+
+    def run(config: GemmConfig, out: torch.Tensor = c) -> None:
+        ragged_k_fp8_mm(a, a_scale, b, b_scale, block, offsets, out, accumulate, flags, config, info, fast_accum)
+
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_strided(
+        c.shape, c.stride(), dtype=c.dtype, device=c.device)))
+    run(config)
+
+
 def hopper_candidates() -> dict[str, list[GemmConfig]]:
     """The configs each tuner chooses from where the Hopper kernels apply: ``ragged_m``, ``ragged_k``
     (written in the operands' dtype) and ``ragged_k_accumulate`` (fp32 output, or added into)."""
@@ -155,4 +342,5 @@ def hopper_candidates() -> dict[str, list[GemmConfig]]:
 def tuned_configs() -> dict[str, dict[str, str]]:
     """The configuration chosen so far for each problem class, by kernel: for logs and benchmarks."""
     return {tuner.name: {repr(key): str(config) for key, config in tuner.cache.items()}
-            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER, _RAGGED_K_HOPPER_ACCUMULATE)}
+            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER, _RAGGED_K_HOPPER_ACCUMULATE,
+                          *FP8_TUNERS)}

@@ -11,6 +11,9 @@ from torch import nn
 from dropless.ops.autocast import autocast_operands
 from dropless.ops.group_bias import add_group_bias
 from dropless.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
+from dropless.ops.grouped_mm_fp8 import Fp8GroupedMM, resolve_recipe
+from dropless.ops.quantize import quantize_weight
+from dropless.quantized import QuantizedTensor, Recipe, operand_recipes
 
 
 class _FusedWgradGroupedLinear(torch.autograd.Function):
@@ -36,6 +39,37 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+class QuantizedWeightCache:
+    """A weight's two FP8 orientations (``quantize_weight``), made again only when the weight changes.
+
+    The key is the weight's version counter (bumped by every in-place update, an optimizer step
+    included), its storage and the recipe: all host-side facts, so finding out costs no sync. The
+    forward, the dgrad and every micro-batch of a step reuse one quantization. While a CUDA graph is
+    captured or ``torch.compile`` traces, the weight is quantized inside the call instead, so the
+    graph redoes it on every replay and never holds a stale copy.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._pair: tuple[QuantizedTensor, QuantizedTensor] | None = None
+
+    def get(self, weight: torch.Tensor, recipe: Recipe) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """``quantize_weight`` of ``weight [E, out, in]`` seen as ``[E, in, out]`` with the weight recipe
+        of ``recipe``."""
+        w = weight.detach().transpose(1, 2)
+        _, weights = operand_recipes(recipe)
+        if torch.compiler.is_compiling() or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return quantize_weight(w, weights)
+        key = (weight._version, weight.data_ptr(), weight.dtype, weights)
+        if key != self._key:
+            self._pair = quantize_weight(w, weights)
+            self._key = key
+        return self._pair
+
+    def clear(self) -> None:
+        self._key = self._pair = None
+
+
 class GroupedLinear(nn.Module):
     """``num_experts`` linear layers over consecutive row groups: ``y[rows of e] = x[rows of e] @ W[e]^T + b[e]``.
 
@@ -47,14 +81,19 @@ class GroupedLinear(nn.Module):
             ``[E, out_features, in_features]``, created on first use if absent) inside the GEMM's
             epilogue instead of producing ``weight.grad``, as Megatron-style trainers expect. If the
             weight has a ``grad_added_to_main_grad`` attribute it is set to True in the backward.
+        recipe: run the three GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"`` or a
+            ``dropless.Recipe``; None: in the input's dtype). The weight's two FP8 copies are made
+            once per weight version (``QuantizedWeightCache``); bias and output stay in x's dtype.
 
     ``weight`` is ``[E, out_features, in_features]`` (``nn.Linear`` layout per expert).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 fuse_wgrad_accumulation: bool = False) -> None:
+                 fuse_wgrad_accumulation: bool = False, recipe: str | Recipe | None = None) -> None:
         super().__init__()
+        self.recipe = resolve_recipe(recipe) if recipe is not None else None
+        self.weight_cache = QuantizedWeightCache()
         if num_experts < 1 or in_features < 1 or out_features < 1:
             raise ValueError(f"num_experts, in_features and out_features must be positive, got "
                              f"{num_experts}, {in_features}, {out_features}")
@@ -84,6 +123,7 @@ class GroupedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         self._make_main_grad()
+        self.weight_cache.clear()
         return module
 
     def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
@@ -101,17 +141,34 @@ class GroupedLinear(nn.Module):
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
         offsets = self._offsets(group_sizes, x.device)
-        x, weight = autocast_operands(x, self.weight)
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad:
+        if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
+            raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
+        fused = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
+        accumulate = None
+        if fused:
             accumulate = (wgrad_accumulation_mask if wgrad_accumulation_mask is not None
                           else torch.ones(self.num_experts, dtype=torch.bool, device=x.device))
-            y = _FusedWgradGroupedLinear.apply(x, weight, offsets, self.weight.main_grad, accumulate)
+        if self.recipe is not None:
+            y = self._forward_fp8(x, offsets, accumulate if fused else None)
         else:
-            if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
-                raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
-            y = grouped_mm(x, weight.transpose(1, 2), offsets)
+            x, weight = autocast_operands(x, self.weight)
+            if fused:
+                y = _FusedWgradGroupedLinear.apply(x, weight, offsets, self.weight.main_grad, accumulate)
+            else:
+                y = grouped_mm(x, weight.transpose(1, 2), offsets)
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offsets)
+        return y
+
+    def _forward_fp8(self, x: torch.Tensor, offsets: torch.Tensor, accumulate: torch.Tensor | None) -> torch.Tensor:
+        """The FP8 product with the cached weight copies; x quantized from the autocast dtype."""
+        (x,) = autocast_operands(x)
+        wk, wn = self.weight_cache.get(self.weight, self.recipe)
+        main_grad = self.weight.main_grad.transpose(1, 2) if accumulate is not None else None
+        y = Fp8GroupedMM.apply(x, self.weight.transpose(1, 2), offsets, wk.data, wk.scale, wn.data, wn.scale,
+                               self.recipe, main_grad, accumulate)
+        if accumulate is not None and hasattr(self.weight, "grad_added_to_main_grad"):
+            self.weight.grad_added_to_main_grad = True
         return y
 
     def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -123,4 +180,5 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
+                + (f", recipe={self.recipe.name}" if self.recipe is not None else ""))

@@ -9,6 +9,7 @@ from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
+from dropless.quantized import Recipe
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
 # transformers' softmax top-k routers: Mixtral's always renormalizes, Qwen3-MoE's per norm_topk_prob.
@@ -54,6 +55,8 @@ class MoE(nn.Module):
         bias: biases in the expert projections.
         activation: ``"swiglu"`` or ``"geglu"``.
         fuse_wgrad_accumulation: expert weight gradients go into ``main_grad`` (see GroupedLinear).
+        recipe: run the expert GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"``; see
+            GroupedLinear); the router and the shared experts stay in the input's dtype (router: fp32).
 
     Experts' weights: ``experts_gate_up.weight [E, 2*d_ff, d_model]`` (gate rows, then up rows) and
     ``experts_down.weight [E, d_model, d_ff]``.
@@ -69,7 +72,8 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0,
                  num_shared_experts: int = 0, shared_d_ff: int | None = None, bias: bool = False,
                  activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 recipe: str | Recipe | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
@@ -84,9 +88,10 @@ class MoE(nn.Module):
                                  n_groups=n_groups, topk_groups=topk_groups, expert_bias=expert_bias,
                                  bias_update_rate=bias_update_rate, scale=routed_scaling, **factory)
         self.experts_gate_up = GroupedLinear(num_experts, d_model, 2 * d_ff, bias=bias,
-                                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, **factory)
+                                             fuse_wgrad_accumulation=fuse_wgrad_accumulation, recipe=recipe,
+                                             **factory)
         self.experts_down = GroupedLinear(num_experts, d_ff, d_model, bias=bias,
-                                          fuse_wgrad_accumulation=fuse_wgrad_accumulation, **factory)
+                                          fuse_wgrad_accumulation=fuse_wgrad_accumulation, recipe=recipe, **factory)
         self.shared_experts = (SharedExperts(d_model, num_shared_experts * (shared_d_ff or d_ff), activation,
                                              **factory) if num_shared_experts > 0 else None)
         self.aux_loss: torch.Tensor | None = None

@@ -25,6 +25,8 @@ from dropless.ops.checks import (
     validate_offsets,
 )
 from dropless.ops.direct import DirectOp
+from dropless.ops.grouped_mm_fp8 import fp8_grouped_mm, fp8_grouped_mm_wgrad, resolve_recipe
+from dropless.quantized import QuantizedTensor, Recipe
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,10 @@ def _check_operands(x: torch.Tensor, name: str, other: torch.Tensor, other_ndim:
     check_same_device(x.device, **{name: other})
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = None, *,
-               group_sizes: torch.Tensor | None = None, offs: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTensor,
+               offsets: torch.Tensor | None = None, *, group_sizes: torch.Tensor | None = None,
+               offs: torch.Tensor | None = None, recipe: str | Recipe | None = None,
+               w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
     """Grouped GEMM over row groups: ``y[s_e:t_e] = x[s_e:t_e] @ w[e]``.
 
     Args:
@@ -133,9 +137,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
             ``[E, N, K]`` weights works without a copy).
         offsets: int32/int64 ``[E]`` cumulative group ends on x's device (``offs`` is an alias, as
             in ``torch._grouped_mm``); or give ``group_sizes [E]`` instead.
+        recipe: run in FP8 (``"rowwise"``, ``"block128"`` or ``"mxfp8"``, or a ``dropless.Recipe``):
+            x, w, and in the backward dy, are quantized (``dropless.quantize``), multiplied on FP8
+            tensor cores with fp32 accumulation, and y comes out in x's dtype. x and w may also be
+            given as ``QuantizedTensor`` (x along K, w ``[E, K, N]`` along K): a forward product only,
+            bf16 out, recipe taken from them if not given.
+        w_quantized: with a recipe, ``dropless.quantize_weight(w, recipe)``'s pair, kept by the caller
+            while w is unchanged, so the weight is not quantized again on every call.
     Returns:
         ``y [M, N]`` in x's dtype. Rows past ``offsets[-1]`` are zero. Differentiable in x and w.
-        Under ``torch.autocast`` x and w are first cast to its dtype, as ``nn.Linear``'s operands are.
+        Under ``torch.autocast`` x and w are first cast to its dtype, as ``nn.Linear``'s operands are
+        (in FP8, the quantization reads them as they are).
 
     No host sync on the Triton backend: the kernel derives its tiles from ``offsets`` on the device,
     so the call can be captured in a CUDA graph.
@@ -144,6 +156,14 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
         if offsets is not None:
             raise ValueError("pass offsets or its alias offs, not both")
         offsets = offs
+    if recipe is not None or isinstance(x, QuantizedTensor) or isinstance(w, QuantizedTensor):
+        recipe = resolve_recipe(recipe, x, w)
+        _check_fp8_operands(x, "w", w, 3)
+        offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
+        validate_offsets(offsets, x.shape[0])
+        return fp8_grouped_mm(x, w, offsets, recipe, w_quantized)
+    if w_quantized is not None:
+        raise ValueError("w_quantized needs recipe= (it is the FP8 copy of w)")
     x, w = autocast_operands(x, w)
     _check_operands(x, "w", w, 3)
     if w.shape[1] != x.shape[1]:
@@ -155,9 +175,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None = 
     return _GROUPED_MM(x, w, offsets)
 
 
-def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | None = None, *,
-                     group_sizes: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     accumulate: bool | torch.Tensor = False) -> torch.Tensor:
+def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | QuantizedTensor,
+                     offsets: torch.Tensor | None = None, *, group_sizes: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, accumulate: bool | torch.Tensor = False,
+                     recipe: str | Recipe | None = None) -> torch.Tensor:
     """Weight gradient of ``grouped_mm``: ``dw[e] = x[s_e:t_e]^T @ dy[s_e:t_e]``, zero for an empty group.
 
     Args:
@@ -168,10 +189,18 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
         accumulate: with ``out``: ``True`` adds into it in the kernel's epilogue (no extra pass over
             memory); a bool ``[E]`` tensor on the device adds for the experts marked True and
             overwrites the others; ``False`` overwrites.
+        recipe: run in FP8: x and dy quantized along the tokens, blocks restarting at every group
+            (``dropless.quantize(t, recipe, dim=0, offsets=offsets)``), or given so as QuantizedTensors.
     Returns:
-        ``out``, or a new ``[E, K, N]`` tensor in x's dtype. No host sync on the Triton backend.
+        ``out``, or a new ``[E, K, N]`` tensor in x's dtype (bf16 for a quantized x). No host sync on
+        the Triton backend.
     """
-    _check_operands(x, "dy", dy, 2)
+    fp8 = recipe is not None or isinstance(x, QuantizedTensor) or isinstance(dy, QuantizedTensor)
+    if fp8:
+        recipe = resolve_recipe(recipe, x, dy)
+        _check_fp8_operands(x, "dy", dy, 2)
+    else:
+        _check_operands(x, "dy", dy, 2)
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"dy must have x's number of rows M={x.shape[0]}, got shape {tuple(dy.shape)}")
     source = offsets if offsets is not None else group_sizes
@@ -182,8 +211,8 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
     if out is None:
         if accumulate is not False:
             raise ValueError("accumulate needs out= (the tensor to accumulate into)")
-        return _WGRAD(x, dy, offsets, False)
-    check_matrix("out", out, 3, (x.dtype, torch.float32))
+        return fp8_grouped_mm_wgrad(x, dy, offsets, recipe, None, None, False) if fp8 else _WGRAD(x, dy, offsets, False)
+    check_matrix("out", out, 3, (x.dtype if isinstance(x, torch.Tensor) else torch.bfloat16, torch.float32))
     if tuple(out.shape) != (E, K, N):
         raise ValueError(f"out must have shape [E, K, N] = [{E}, {K}, {N}], got {tuple(out.shape)}")
     check_same_device(x.device, out=out)
@@ -196,5 +225,24 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor | 
         flags = accumulate
     elif not isinstance(accumulate, bool):
         raise TypeError(f"accumulate must be a bool or a bool tensor [E], got {type(accumulate).__name__}")
+    if fp8:
+        return fp8_grouped_mm_wgrad(x, dy, offsets, recipe, out, flags, bool(accumulate) if flags is None else True)
     _WGRAD_INTO(x, dy, offsets, out, flags, bool(accumulate) if flags is None else True)
     return out
+
+
+def _check_fp8_operands(a: torch.Tensor | QuantizedTensor, name: str, b: torch.Tensor | QuantizedTensor,
+                        b_ndim: int) -> None:
+    """x is a matrix and ``b`` a tensor of ``b_ndim`` dims, each a tensor of a dtype the quantization
+    takes (bf16, fp16, fp32) or a QuantizedTensor, on one device, with matching K (or M for the wgrad)."""
+    for arg, t, ndim in (("x", a, 2), (name, b, b_ndim)):
+        if isinstance(t, QuantizedTensor):
+            if len(t.shape) != ndim:
+                raise ValueError(f"{arg} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+            continue
+        check_matrix(arg, t, ndim, TRITON_DTYPES)
+    check_same_device(a.device, **{name: b.data if isinstance(b, QuantizedTensor) else b})
+    if b_ndim == 3 and b.shape[1] != a.shape[1]:
+        raise ValueError(f"{name} must have shape [E, K={a.shape[1]}, N] to match x [M, K], got {tuple(b.shape)}")
+    if b_ndim == 2 and b.shape[0] != a.shape[0]:
+        raise ValueError(f"{name} must have x's number of rows M={a.shape[0]}, got shape {tuple(b.shape)}")

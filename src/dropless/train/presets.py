@@ -16,7 +16,8 @@ class ModelConfig:
 
     ``d_ff`` is each expert's hidden width; ``num_experts`` experts, ``top_k`` per token.
     ``aux_loss_coef`` and ``z_loss_coef`` weight the router's load-balancing and z losses in the
-    training loss; ``expert_bias`` adds DeepSeek-V3's auxiliary-loss-free balancing bias.
+    training loss; ``expert_bias`` adds DeepSeek-V3's auxiliary-loss-free balancing bias. ``fp8``: the
+    FP8 recipe of the experts' GEMMs (``"rowwise"``, ``"block128"``, ``"mxfp8"``; None: bf16).
     """
 
     d_model: int
@@ -30,6 +31,7 @@ class ModelConfig:
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
     expert_bias: bool = False
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:

@@ -1,0 +1,392 @@
+"""FP8 quantization: one scale per block, the elements divided by it and cast to float8_e4m3fn.
+
+    amax  = max |x| over the block                   (a NaN element counts as 0: it stays NaN in the data)
+    fp32 recipes:  scale = amax / 448                (correctly rounded; 1 where it is 0)
+                   pow2:  scale = 2**ceil(log2(amax / 448))
+    mxfp8 (E8M0):  scale = 2**e, e = floor(log2(amax)) - 8                   ("floor", OCP MX v1.0)
+                                 e = ceil(log2(fl(amax / 448)))              ("rceil")
+                   clamped to [-127, 127], amax 0 gives 2**-127; stored as the byte e + 127
+    data  = e4m3(clamp(x / scale, -448, 448))        (round to nearest even; NaN stays NaN)
+
+Every exponent is read off the fp32 bits (subnormals included; rceil needs no division), and every
+division is correctly rounded (``div_rn``; mxfp8 multiplies by the exact power of two ``2**-e``), so
+the kernels match ``dropless.reference.quantize`` bit for bit. The layouts of data and scales are
+``dropless.quantized``'s.
+
+Two kernels over a 3D view ``x [BATCH, R, C]`` (a 2D operand is ``[1, M, K]``, a weight ``[E, K, N]``),
+any strides. Each program addresses its tile from 64-bit scalar bases with 32-bit offsets inside it
+(64-bit only when a stride or extent makes them reach 2**31), which keeps registers per element few:
+- ``_tile_kernel``: one program per ``BLOCK_R x BLOCK_C`` tile, reading each element once. It
+  quantizes along C (the last dim: ``data_c`` row-major ``[BATCH, R, C]``), along R (``data_r`` stored
+  ``[BATCH, C, R]``: the tile is transposed in registers and written R-contiguous), or both at once
+  (a weight's two orientations). With ``offsets`` (2D, along R = tokens), tiles are numbered per group:
+  group g owns the program slots ``starts[g] // BLOCK_R + g`` onwards, so ``cdiv(M, BLOCK_R) + E`` slots
+  cover every group and the tail past ``offsets[-1]`` (index E, written as zeros) whatever the group
+  sizes, which the host never reads. Each group also owns at least one slot, which writes the scale
+  rows of its empty blocks (1). Rowwise scales span the whole R or C extent: a first launch
+  (``AMAX_PASS``) takes each tile's partial amax into int32 buffers with ``atomic_max`` on the bits of
+  the (non-negative) magnitudes, and a second launch quantizes, reading x again.
+- ``_rowwise_kernel``: rowwise along the last dim of a 2D x; each program owns ``BLOCK_M`` rows and
+  walks them twice, once for the amax and once to write (the second read of rows up to 8192 long is
+  the same tile just read, from L2).
+
+The interpreter's own float-to-fp8 cast rounds ties away from zero and mishandles mantissa carries, so
+under ``TRITON_INTERPRET=1`` the kernels round to e4m3 with integer operations (``EMULATE_FP8``); on
+the GPU the cast is the hardware's ``cvt.rn.satfinite``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dropless.kernels.groups import group_bounds, pick
+from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
+from dropless.quantized import Recipe
+
+FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
+E8M0_ONE = tl.constexpr(127)  # the E8M0 byte of 2**0
+FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal value
+
+
+@triton.jit
+def _magnitude(v):
+    """``|v|`` with NaN as 0, so that a NaN element leaves its block's scale alone (and amax is an
+    ordinary non-negative float whose bits order like integers)."""
+    return tl.where(v == v, tl.abs(v), 0.0)
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """The smallest power of two ``>= s`` for ``s >= 0``, exactly: adding a mantissa's worth to the bits
+    carries a non-zero mantissa into the exponent. A subnormal s is scaled by 2**23 first (both exact)."""
+    tiny = s < FP32_TINY
+    t = s * tl.where(tiny, 8388608.0, 1.0)
+    p = ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return p * tl.where(tiny, 1.1920928955078125e-07, 1.0)
+
+
+@triton.jit
+def _scale(amax, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr):
+    """The scale of blocks whose largest magnitude is ``amax``: fp32, or the biased E8M0 exponent (int32
+    in ``[0, 254]``) when MX."""
+    if MX:
+        bits = amax.to(tl.int32, bitcast=True)
+        # floor(log2(amax)) is the exponent field less 127; a subnormal amax clamps to -127 below.
+        biased = (bits >> 23) - 8
+        if RCEIL:
+            # ceil(log2(fl(amax / 448))) with no division: while the quotient is normal, fl(amax / 448) <= 2**k
+            # exactly when amax <= 448 * 2**k = 1.75 * 2**(k + 8), so k is one more than floor's where the
+            # mantissa exceeds 1.75's. Where the quotient is subnormal its coarser grid rounds the one
+            # amax just above 448 * 2**-127 down to 2**-127; an infinite quotient saturates. (Checked
+            # against the division for every fp32 amax.)
+            biased += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+            biased = tl.where(bits == 0x04600001, 0, biased)
+            biased = tl.where(bits >= 0x7F800000, 254, biased)
+        scale = tl.minimum(tl.maximum(biased, 0), 254)
+    else:
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+        if POW2:
+            scale = _pow2_ceil(scale)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+    return scale
+
+
+@triton.jit
+def _to_e4m3(y, EMULATE_FP8: tl.constexpr):
+    """fp32 ``y`` within ``[-448, 448]`` (or NaN) to float8_e4m3fn, rounded to nearest even."""
+    if EMULATE_FP8:
+        bits = y.to(tl.int32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        # |y| >= 2**-6 (normal in e4m3): drop 20 mantissa bits, ties to even, rebias the exponent 127 -> 7.
+        normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+        # Smaller: the subnormal count |y| * 2**9, ties to even, from the 24-bit significand.
+        shift = tl.minimum(tl.maximum(141 - (magnitude >> 23), 21), 31)
+        significand = (magnitude & 0x7FFFFF) | 0x800000
+        count = significand >> shift
+        rest = significand & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        count += ((rest > half) | ((rest == half) & ((count & 1) == 1))).to(tl.int32)
+        code = tl.where(magnitude < (121 << 23), count, normal)
+        code = tl.where(magnitude > 0x7F800000, 0x7F, code) | ((bits >> 24) & 0x80)
+        q = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
+def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """``e4m3(clamp(v / scale))`` for fp32 ``v`` and a ``scale`` that broadcasts to it (fp32, or a biased
+    E8M0 exponent when MX)."""
+    if MX:
+        # 2**-(scale - 127) is an fp32 (a subnormal for 2**-127), so the product is the exact quotient.
+        inverse = tl.where(scale == 254, 0x400000, (254 - scale) << 23).to(tl.float32, bitcast=True)
+        y = v * inverse
+    else:
+        y = tl.math.div_rn(v, tl.broadcast_to(scale, v.shape))
+    return _to_e4m3(tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), EMULATE_FP8)
+
+
+@triton.jit
+def _tile_kernel(
+    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, offsets_ptr,
+    R, C, E, SLOTS, SCALE_ROWS_R,
+    stride_xb, stride_xr, stride_xc,
+    ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_POW2: tl.constexpr,
+):
+    """Quantize one tile of ``x [BATCH, R, C]`` along R and/or C.
+
+    BLOCK: elements per scale (0: rowwise, scales from ``amax_r [G, C]`` / ``amax_c [BATCH, R]``, G the
+    groups or BATCH). TILE: one scale per 128x128 tile (BLOCK_R = BLOCK_C = 128), in ``scale_r``.
+    scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c: ``[BATCH, R, cdiv(C, BLOCK)]``
+    (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
+    """
+    pid = tl.program_id(0)
+    batch = pid // SLOTS
+    slot = pid - batch * SLOTS
+    if GROUPED:
+        starts, ends = group_bounds(offsets_ptr, E, R, E_POW2)
+        firsts = starts // BLOCK_R + tl.arange(0, E_POW2)
+        group = tl.sum((firsts <= slot).to(tl.int32), axis=0) - 1
+        group_start = pick(starts, group, E_POW2)
+        end = pick(ends, group, E_POW2)
+        local = slot - pick(firsts, group, E_POW2)
+        row0 = group_start + local * BLOCK_R
+        # The tail past offsets[-1] (group E) belongs to no group: its tiles read nothing and write zeros.
+        live = (row0 < end) & (group < E)
+    else:
+        group = batch
+        end = R
+        local = slot
+        row0 = slot * BLOCK_R
+        live = row0 < end
+    col0 = tl.program_id(1) * BLOCK_C
+    r = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    if WIDE:
+        r = r.to(tl.int64)
+        c = c.to(tl.int64)
+    row_ok = r < end - row0
+    col_ok = c < C - col0
+    mask = row_ok[:, None] & col_ok[None, :]
+    batch64 = batch.to(tl.int64)
+    group64 = group.to(tl.int64)
+    row64 = row0.to(tl.int64)
+    col64 = col0.to(tl.int64)
+    x_tile = x + batch64 * stride_xb + row64 * stride_xr + col64 * stride_xc
+    v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & live, other=0.0).to(tl.float32)
+    data_r_tile = data_r + (batch64 * C + col64) * R + row64  # storage [BATCH, C, R]
+    data_c_tile = data_c + (batch64 * R + row64) * C + col64  # storage [BATCH, R, C]
+
+    if AMAX_PASS:
+        magnitude = _magnitude(v)
+        if ALONG_R:
+            col_amax = tl.max(magnitude, axis=0).to(tl.int32, bitcast=True)
+            tl.atomic_max(amax_r + group64 * C + col64 + c, col_amax, mask=col_ok & live)
+        if ALONG_C:
+            row_amax = tl.max(magnitude, axis=1).to(tl.int32, bitcast=True)
+            tl.atomic_max(amax_c + batch64 * R + row64 + r, row_amax, mask=row_ok)
+    elif TILE:
+        amax = tl.max(tl.max(_magnitude(v), axis=1), axis=0)
+        scale = _scale(amax, MX, POW2, False)
+        q = _to_fp8(v, scale, MX, EMULATE_FP8)
+        tl.store(scale_r + (batch64 * SCALE_ROWS_R + slot) * tl.cdiv(C, 128) + tl.program_id(1), scale,
+                 mask=(slot < SCALE_ROWS_R) & (tl.program_id(1) < tl.cdiv(C, 128)))
+        if ALONG_R:
+            tl.store(data_r_tile + c[:, None] * R + r[None, :], tl.trans(q), mask=tl.trans(mask))
+        if ALONG_C:
+            tl.store(data_c_tile + r[:, None] * C + c[None, :], q, mask=mask)
+    else:
+        if ALONG_R:
+            if BLOCK == 0:
+                # The first slot of each group (or batch) writes its scales; the tail has none.
+                in_scale = col_ok
+                if GROUPED:
+                    in_scale = in_scale & (group < E)
+                amax = tl.load(amax_r + group64 * C + col64 + c, mask=in_scale, other=0).to(tl.float32, bitcast=True)
+                scale = _scale(amax, False, POW2, False)
+                q = _to_fp8(v, scale[None, :], False, EMULATE_FP8)
+                tl.store(scale_r + group64 * C + col64 + c, scale, mask=in_scale & (local == 0))
+            else:
+                v3 = tl.reshape(v, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
+                scale = _scale(tl.max(_magnitude(v3), axis=1), MX, POW2, RCEIL)
+                q = tl.reshape(_to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
+                # The tile's blocks are blocks local * BLOCK_R / BLOCK onwards of its group (or batch).
+                b = tl.arange(0, BLOCK_R // BLOCK)
+                if GROUPED:
+                    first_row = group_start // BLOCK + group + local * (BLOCK_R // BLOCK)
+                    # The group's scale rows end where the next group's begin; the tail's at the last.
+                    rows_end = tl.where(group < E, end // BLOCK + group + 1, SCALE_ROWS_R)
+                    has_rows = (b * BLOCK < end - row0) & live
+                else:
+                    first_row = local * (BLOCK_R // BLOCK)
+                    rows_end = SCALE_ROWS_R
+                    has_rows = b < rows_end - first_row
+                if MX:
+                    # A block with no rows holds 2**0, as the layout asks (an fp32 one gets 1 from its amax).
+                    scale = tl.where(has_rows[:, None], scale, E8M0_ONE)
+                scale_tile = scale_r + (batch64 * SCALE_ROWS_R + first_row) * C + col64
+                tl.store(scale_tile + b[:, None] * C + c[None, :], scale.to(scale_r.dtype.element_ty),
+                         mask=(b < rows_end - first_row)[:, None] & col_ok[None, :])
+            tl.store(data_r_tile + c[:, None] * R + r[None, :], tl.trans(q), mask=tl.trans(mask))
+        if ALONG_C:
+            if BLOCK == 0:
+                amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
+                scale = _scale(amax, False, POW2, False)
+                q = _to_fp8(v, scale[:, None], False, EMULATE_FP8)
+                tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (tl.program_id(1) == 0))
+            else:
+                v3 = tl.reshape(v, (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
+                scale = _scale(tl.max(_magnitude(v3), axis=2), MX, POW2, RCEIL)
+                q = tl.reshape(_to_fp8(v3, scale[:, :, None], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
+                blocks_c = tl.cdiv(C, BLOCK)
+                b = tl.arange(0, BLOCK_C // BLOCK)
+                scale_tile = scale_c + (batch64 * R + row64) * blocks_c + col0 // BLOCK
+                tl.store(scale_tile + r[:, None] * blocks_c + b[None, :], scale.to(scale_c.dtype.element_ty),
+                         mask=row_ok[:, None] & (b < blocks_c - col0 // BLOCK)[None, :])
+            tl.store(data_c_tile + r[:, None] * C + c[None, :], q, mask=mask)
+
+
+@triton.jit
+def _rowwise_kernel(
+    x, data, scale, M, K, stride_xm, stride_xk,
+    POW2: tl.constexpr, EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One scale per row of ``x [M, K]``: ``data [M, K]`` row-major, ``scale [M]``."""
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_K)
+    if WIDE:
+        r = r.to(tl.int64)
+        c = c.to(tl.int64)
+    row_ok = r < M - row0
+    x_rows = x + row0 * stride_xm + r[:, None] * stride_xm
+    data_rows = data + row0 * K + r[:, None] * K
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_ok[:, None] & (c < K - k0)[None, :]
+        v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(_magnitude(v), axis=1))
+    s = _scale(amax, False, POW2, False)
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_ok[:, None] & (c < K - k0)[None, :]
+        v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        tl.store(data_rows + (k0 + c)[None, :], _to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
+    tl.store(scale + row0 + r, s, mask=row_ok)
+
+
+_ROWWISE_ELEMENTS = 8192  # elements per program of the rowwise kernel: a whole row of up to 8192 in one step
+_MAX_ROWWISE_BLOCK_K = 8192
+
+
+def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_C, num_warps)``: 32 elements a thread (50 to 100 registers on an H100, so 16 to 24
+    warps an SM keep loads in flight), the tile a multiple of the block along every quantized dim."""
+    if recipe.tile:
+        return 128, 128, 16
+    if along_r:
+        return 128, 64, 8
+    return 64, 128, 8
+
+
+def _wide(*largest_offsets: int) -> bool:
+    """Whether offsets from a program's 64-bit base can reach 2**31 (then they are 64-bit too)."""
+    return max(largest_offsets, default=0) >= 2**31
+
+
+def _raw(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales are written as their bytes."""
+    return scale.view(torch.uint8) if scale.element_size() == 1 else scale
+
+
+def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | None = None,
+                  scale_r: torch.Tensor | None = None, data_c: torch.Tensor | None = None,
+                  scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
+    """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
+    ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe writes its
+    one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
+    amax buffers it allocates."""
+    BATCH, R, C = x.shape
+    along_r, along_c = data_r is not None, data_c is not None
+    block_r, block_c, num_warps = _tile_shape(recipe, along_r, along_c)
+    grouped = offsets is not None
+    E = offsets.shape[0] if grouped else 0
+    # Every batch (or group) gets a slot even when R is 0: rowwise scales of an empty extent are written as 1.
+    slots = cdiv(R, block_r) + E if grouped else max(cdiv(R, block_r), 1)
+    grid = (BATCH * slots, max(cdiv(C, block_c), 1))
+    if BATCH == 0:
+        return
+    rowwise = recipe.block is None
+    amax_r = torch.zeros(E if grouped else BATCH, C, dtype=torch.int32, device=x.device) if rowwise and along_r else x
+    amax_c = torch.zeros(BATCH, R, dtype=torch.int32, device=x.device) if rowwise and along_c else x
+    for amax_pass in (True, False) if rowwise else (False,):
+        _tile_kernel[grid](
+            x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
+            x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
+            x if offsets is None else offsets,
+            R, C, E, slots, cdiv(R, recipe.block) + E if recipe.block else 0,
+            x.stride(0), x.stride(1), x.stride(2),
+            ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
+            BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
+            RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
+            WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride()))),
+            BLOCK_R=block_r, BLOCK_C=block_c, E_POW2=next_power_of_2(E + 1),
+            num_warps=num_warps,
+        )
+
+
+def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe, dim: int,
+                   offsets: torch.Tensor | None = None) -> None:
+    """Write ``x`` quantized along ``dim`` into ``data`` and ``scale``; arguments are already checked by
+    the caller.
+
+    x: ``[M, K]`` (dim 0 or 1) or ``[E, K, N]`` (dim 1 or 2); bf16, fp16 or fp32, any strides (a unit
+    last stride reads coalesced), on a CUDA device or the CPU under the interpreter. data:
+    float8_e4m3fn of x's shape, a view of storage whose last dim is ``dim`` (row-major along the last
+    dim; for dim 0 of a 2D x, a transposed view of ``[K, M]`` storage). scale: contiguous, shaped as
+    ``dropless.quantized`` lays it out for ``(recipe, dim, offsets)``, fp32 or float8_e8m0fnu (mxfp8).
+    offsets: int32/int64 ``[E]`` cumulative group ends (2D x, dim 0, not block128x128), read on the
+    device: nothing syncs. Every element of data and scale is written. Rowwise along the last dim of a
+    2D x reads each row block twice in one program; other rowwise cases run two launches over a zeroed
+    int32 amax buffer they allocate (``[E or 1, K]`` along the tokens).
+    """
+    launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    if dim == x.dim() - 2:
+        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets)
+    elif recipe.block is not None or x.dim() == 3:
+        _launch_tiles(x3, recipe, data_c=data, **{"scale_r" if recipe.tile else "scale_c": scale})
+    elif x.shape[0] > 0:
+        M, K = x.shape
+        block_k = min(max(next_power_of_2(K), 16), _MAX_ROWWISE_BLOCK_K)
+        block_m = max(_ROWWISE_ELEMENTS // block_k, 1)
+        _rowwise_kernel[(cdiv(M, block_m),)](
+            x, data, scale, M, K, x.stride(0), x.stride(1),
+            POW2=recipe.pow2, EMULATE_FP8=interpreting(),
+            WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K), BLOCK_M=block_m, BLOCK_K=block_k,
+            num_warps=8,
+        )
+
+
+def quantize_weight_3d(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor, scale_k: torch.Tensor,
+                       scale_n: torch.Tensor, recipe: Recipe) -> None:
+    """Write ``w [E, K, N]`` quantized along K and along N in one pass over w; arguments are already
+    checked by the caller.
+
+    w: bf16, fp16 or fp32, any strides (a transposed view of nn.Linear-layout ``[E, N, K]`` storage or
+    contiguous ``[E, K, N]`` read coalesced), on a CUDA device or the CPU under the interpreter.
+    data_k: float8_e4m3fn ``[E, K, N]``, a view of ``[E, N, K]`` storage (K contiguous); data_n:
+    float8_e4m3fn ``[E, K, N]`` contiguous. scale_k / scale_n: their scales as ``dropless.quantized``
+    lays them out (dims 1 and 2); block128x128 writes its one scale per tile into ``scale_k`` and leaves
+    ``scale_n`` alone (pass the same tensor). Rowwise reads w twice (the amax along both dims first, into
+    int32 buffers ``[E, N]`` and ``[E, K]`` it allocates); the other recipes read it once. Programs cover
+    ``E * tiles``: the time per byte does not depend on E. Nothing syncs.
+    """
+    launch_info(w.device)
+    _launch_tiles(w, recipe, data_r=data_k, scale_r=scale_k, data_c=data_n, scale_c=None if recipe.tile else scale_n)

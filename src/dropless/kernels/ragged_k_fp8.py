@@ -1,0 +1,264 @@
+"""Ragged-K grouped GEMM on FP8 operands (weight gradient).
+
+    c[e] = (a * sa)[s_e:t_e, :]^T @ (b * sb)[s_e:t_e, :]     for every group e, s_e = offsets[e-1], t_e = offsets[e]
+
+a: float8_e4m3fn [M, K] and b: float8_e4m3fn [M, N], both quantized along the token dim M with M
+contiguous (views of ``[K, M]`` and ``[N, M]`` storage): the reduction runs over tokens, so that is
+the K-major layout of Hopper's FP8 tensor cores. c: [E, K, N], bf16 or
+fp32, any strides; zero for an empty group, or added into (an fp32 ``main_grad``) for all experts or
+for those whose flag is set, as in ragged_k.py.
+
+Scales (fp32, or E8M0 bytes, see scales.py) restart at every group, so that no block spans two:
+- rowwise (one scale per group and column): ``a_scale [E, K]``, ``b_scale [E, N]``; the accumulator is
+  scaled once in the epilogue, ``c[e] = acc * sa[e, :, None] * sb[e, None, :]``;
+- blocks of B tokens: ``a_scale [cdiv(M, B) + E, K]``, ``b_scale [cdiv(M, B) + E, N]``; block j of group
+  e (rows ``s_e + j*B`` onwards) uses row ``s_e // B + e + j``. Each BLOCK_M-row step (BLOCK_M divides
+  B) adds its partial product to the accumulator scaled by that row's ``sa[:, None] * sb[None, :]``.
+
+Each tile steps over the group's tokens in windows of BLOCK_M, full ones without masks; the tokens of
+other groups in a partial window may hold anything, NaN included, and are zeroed. Operands come through
+TMA descriptors of the transposed storage where the strides allow it and the scales are rowwise, else
+through masked pointer loads: a TMA window must start 16-byte aligned along the tokens, so where a
+group does not, its first window starts in the previous group, and its windows straddle the token
+blocks of blockwise scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.groups import group_bounds, grouped_raster, pick
+from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
+from dropless.kernels.ragged_m_fp8 import kernel_scale
+from dropless.kernels.scales import FP8_MIN_STEP, SCALE_EPILOGUE, SCALE_PER_STEP, load_scale
+
+# Bytes: a TMA read along the contiguous dim must start at a multiple of 16 (on an H100 a load at another
+# offset stops the kernel with an illegal instruction).
+_TMA_WINDOW_ALIGN = 16
+
+
+@triton.jit
+def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
+    """``a^T [BLOCK_K, BLOCK_M]`` (columns k0.. of a) and ``b [BLOCK_M, BLOCK_N]`` (columns n0.. of b)
+    over rows ``[row0, row0 + BLOCK_M)``, both with the rows contiguous in shared memory. Rows past
+    ``end`` read as 0 on the pointer path and as whatever follows on the TMA path."""
+    if USE_TMA:
+        a_t = a.load([k0, row0])
+        b_tile = b.load([n0, row0]).T
+    else:
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        ns = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        a_t = tl.load(a + ks[:, None] * stride_ak + rows[None, :] * stride_am,
+                      mask=(ks < K)[:, None] & (rows < end)[None, :], other=0.0)
+        b_tile = tl.load(b + rows[:, None] * stride_bm + ns[None, :] * stride_bn,
+                         mask=(rows < end)[:, None] & (ns < N)[None, :], other=0.0)
+    if UPCAST:
+        a_t = a_t.to(tl.float32)
+        b_tile = b_tile.to(tl.float32)
+    return a_t, b_tile
+
+
+@triton.jit
+def _step_product(a_t, b_tile, acc, a_scale, b_scale, scale_row, ks, ns, K, N,
+                  stride_sa, stride_sak, stride_sb, stride_sbn,
+                  A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
+                  MAX_IMPRECISE_ACC: tl.constexpr):
+    """``acc`` plus one row step's product, promoted and scaled by the step's scale row when the
+    scales change along the tokens."""
+    if SCALE_MODE == SCALE_PER_STEP:
+        sa = load_scale(a_scale + scale_row.to(tl.int64) * stride_sa + ks * stride_sak, ks < K, A_E8M0)
+        sb = load_scale(b_scale + scale_row.to(tl.int64) * stride_sb + ns * stride_sbn, ns < N, B_E8M0)
+        # A fresh product per step, promoted into the fp32 accumulator (the tensor cores' FP8
+        # accumulation is short of fp32), scaled as it goes in.
+        return acc + tl.dot(a_t, b_tile) * (sa[:, None] * sb[None, :])
+    return tl.dot(a_t, b_tile, acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+
+
+@triton.jit
+def _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
+                 stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
+                 TOKEN_BLOCK: tl.constexpr, A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
+                 MAX_IMPRECISE_ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
+    """``_step_product`` of the window at row0 with the rows outside ``[start, end)`` zeroed in both
+    operands: they belong to other groups and may hold anything, NaN included."""
+    a_t, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    in_group = (rows >= start) & (rows < end)
+    a_t = tl.where(in_group[None, :], a_t, 0.0)
+    b_tile = tl.where(in_group[:, None], b_tile, 0.0)
+    return _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + (row0 - start) // TOKEN_BLOCK,
+                         ks, ns, K, N, stride_sa, stride_sak, stride_sb, stride_sbn,
+                         A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC)
+
+
+@triton.jit
+def _ragged_k_fp8_tile(
+    a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, start, end, local_tile,
+    M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    stride_sa, stride_sak, stride_sb, stride_sbn,
+    TOKEN_BLOCK: tl.constexpr, A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
+    """One output tile ``c[group, k-block, n-block]``, reduced over the group's rows."""
+    pid_k, pid_n = grouped_raster(local_tile, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_M)
+    k0 = pid_k * BLOCK_K
+    n0 = pid_n * BLOCK_N
+    ks = k0 + tl.arange(0, BLOCK_K)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    # Scale row of the group's first block; blocks of TOKEN_BLOCK rows restart at the group's start.
+    first_scale_row = start // TOKEN_BLOCK + group
+
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    # TMA reads windows of tokens that start ALIGN-aligned (16 bytes: the hardware faults on others), so
+    # the first window may begin in the previous group and is masked, as is the last, partial one. In
+    # between, full windows without masks: the mask costs a register round trip of the operands.
+    row0 = start - start % ALIGN
+    if row0 < start:
+        acc = _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
+                           stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
+                           TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
+                           BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        row0 += BLOCK_M
+    full_steps = tl.maximum(end - row0, 0) // BLOCK_M
+    for step in range(full_steps):
+        row = row0 + step * BLOCK_M
+        a_t, b_tile = _load_rows(a, b, row, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        acc = _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + (row - start) // TOKEN_BLOCK,
+                            ks, ns, K, N, stride_sa, stride_sak, stride_sb, stride_sbn,
+                            A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC)
+    row0 += full_steps * BLOCK_M
+    if row0 < end:
+        acc = _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
+                           stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
+                           TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
+                           BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+
+    if SCALE_MODE == SCALE_EPILOGUE:
+        # An empty group's scales may be anything: it keeps its zeros.
+        has_rows = end > start
+        sa = load_scale(a_scale + group.to(tl.int64) * stride_sa + ks * stride_sak, (ks < K) & has_rows, A_E8M0)
+        sb = load_scale(b_scale + group.to(tl.int64) * stride_sb + ns * stride_sbn, (ns < N) & has_rows, B_E8M0)
+        acc *= sa[:, None] * sb[None, :]
+    c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn
+    c_mask = (ks < K)[:, None] & (ns < N)[None, :]
+    if ACCUMULATE == 1:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    elif ACCUMULATE == 2:
+        if tl.load(flags_ptr + group) != 0:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    if TMA_STORE:
+        c_desc.store([group, k0, n0], acc.to(c_desc.dtype).reshape(1, BLOCK_K, BLOCK_N))
+    else:
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _ragged_k_fp8_kernel(
+    a, b, c, c_desc, a_scale, b_scale, offsets_ptr, flags_ptr, counter_ptr,
+    M, N, K, E,
+    stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    stride_sa, stride_sak, stride_sb, stride_sbn,
+    TOKEN_BLOCK: tl.constexpr, A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+    BY_WORK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
+):
+    tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    total_tiles = E * tiles_per_group
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
+    if BY_WORK:
+        # Largest groups first, tiles drawn one at a time from a counter (as in ragged_k.py).
+        e = tl.arange(0, E_POW2)
+        key = tl.where(e < E, (ends - starts).to(tl.int64) * E_POW2 + e, -1)
+        order = (tl.sort(key, descending=True) % E_POW2).to(tl.int32)
+        tile_id = tl.atomic_add(counter_ptr, 1)
+        while tile_id < total_tiles:
+            group = pick(order, tile_id // tiles_per_group, E_POW2)
+            _ragged_k_fp8_tile(a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, pick(starts, group, E_POW2),
+                               pick(ends, group, E_POW2), tile_id % tiles_per_group,
+                               M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                               stride_sa, stride_sak, stride_sb, stride_sbn,
+                               TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, ALIGN, UPCAST, TMA_STORE)
+            tile_id = tl.atomic_add(counter_ptr, 1)
+    else:
+        for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
+                                flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            group = tile_id // tiles_per_group
+            _ragged_k_fp8_tile(a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, pick(starts, group, E_POW2),
+                               pick(ends, group, E_POW2), tile_id % tiles_per_group,
+                               M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                               stride_sa, stride_sak, stride_sb, stride_sbn,
+                               TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, ALIGN, UPCAST, TMA_STORE)
+
+
+def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    block: int | None, offsets: torch.Tensor, c: torch.Tensor, accumulate: int,
+                    flags: torch.Tensor | None, config: GemmConfig, info: LaunchInfo,
+                    fast_accum: bool = False) -> None:
+    """Launch the FP8 ragged-K kernel writing (or adding into) ``c [E, K, N]``; nothing syncs.
+
+    a: float8_e4m3fn ``[M, K]``; b: float8_e4m3fn ``[M, N]`` (TMA needs ``a.stride(0) == 1`` and
+    ``b.stride(0) == 1`` with 16-byte aligned other strides; other layouts take the pointer path).
+    block: tokens per scale block (a power of two of at least 32), None for one scale per group;
+    a_scale ``[E, K]`` or ``[cdiv(M, block) + E, K]``, b_scale likewise with N, any strides, fp32 or
+    E8M0 (``float8_e8m0fnu`` or its uint8 view). offsets: int32 ``[E]``; c: ``[E, K, N]`` written along
+    its last dim (swap the operands, their scales and c's last two dims for a transposed view);
+    accumulate: NO_ACCUMULATE, ACCUMULATE_ALL or ACCUMULATE_FLAGGED (then ``flags`` is a bool ``[E]``).
+    With blocks, BLOCK_M is cut to the block. fast_accum: for one scale per group, let Hopper's tensor
+    cores accumulate the whole group in their reduced-precision FP8 accumulation rather than
+    promoting every BLOCK_M rows into fp32.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    E = c.shape[0]
+    if block is not None and (block < FP8_MIN_STEP or block & (block - 1)):
+        raise ValueError(f"the token block of the scales must be a power of two of at least {FP8_MIN_STEP}, "
+                         f"got {block}")
+    bm = config.block_m if block is None else min(config.block_m, block)
+    bn, bk = config.block_n, config.block_k
+    a_t, b_t = a.t(), b.t()
+    # A TMA window must start 16-byte aligned, so it starts before the group where the group does not,
+    # and then straddles two token blocks of the scales: blockwise scales take the pointer path.
+    use_tma = info.tma and block is None and info.tma_ok(a_t) and info.tma_ok(b_t)
+    a_arg = info.descriptor(a_t, [bk, bm]) if use_tma else a
+    b_arg = info.descriptor(b_t, [bn, bm]) if use_tma else b
+    total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
+    num_programs = max(1, min(info.num_programs * config.programs_per_sm, total_tiles))
+    tma_store = use_tma and config.tma_store and info.tma_ok(c)
+    c_desc = info.descriptor(c, [1, bk, bn]) if tma_store else None
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
+    (a_scale_arg, a_e8m0), (b_scale_arg, b_e8m0) = kernel_scale(a_scale), kernel_scale(b_scale)
+    _ragged_k_fp8_kernel[(num_programs,)](
+        a_arg, b_arg, c, c_desc,
+        a_scale_arg, b_scale_arg,
+        offsets, flags if flags is not None else offsets, counter,
+        M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        TOKEN_BLOCK=block or 1, A_E8M0=a_e8m0, B_E8M0=b_e8m0,
+        SCALE_MODE=SCALE_EPILOGUE if block is None else SCALE_PER_STEP,
+        MAX_IMPRECISE_ACC=None if fast_accum or block is not None else bm,
+        NUM_PROGRAMS=num_programs, E_POW2=next_power_of_2(E + 1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        ACCUMULATE=accumulate, USE_TMA=use_tma, ALIGN=_TMA_WINDOW_ALIGN // a.element_size() if use_tma else 1,
+        UPCAST=info.upcast,
+        BY_WORK=config.by_work, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=config.flatten,
+        TMA_STORE=tma_store,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

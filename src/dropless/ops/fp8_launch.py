@@ -1,0 +1,67 @@
+"""From QuantizedTensors to the FP8 kernels: each recipe's scale blocks, and which kernel runs.
+
+A GEMM recipe fixes how its operands' scales are blocked (``dropless.quantized``): the kernels take
+the blocks as data. Rowwise products accumulate in the tensor cores' fast FP8 mode and scale once in
+the epilogue (as cuBLAS's and CUTLASS's FP8 grouped GEMMs do); blockwise ones promote every block's
+partial product into fp32 (DeepGEMM's scheme), which also bounds the accumulation error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.launch import LaunchInfo, launch_info, weight_nk
+from dropless.kernels.tuning import run_ragged_k_fp8, run_ragged_m_fp8
+from dropless.quantized import QuantizedTensor
+
+# (rows, ks) blocks of a's scales and (ks, cols) blocks of b's, by the recipe of each operand.
+_A_BLOCKS = {"rowwise": (1, None), "block128": (1, 128), "mxfp8": (1, 32)}
+_B_BLOCKS = {"rowwise": (None, 1), "block128x128": (128, 128), "mxfp8": (32, 1)}
+# The warp-specialized Hopper kernel's FP8 config: 128-deep stages, the whole output tile staged.
+GLUON_FP8 = GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    from dropless.kernels.launch import _capability, _triton_at_least
+
+    return device.type == "cuda" and _capability(device) == 9 and _triton_at_least(3, 6)
+
+
+def gluon_rowwise_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) -> bool:
+    """The Hopper Gluon kernel takes a rowwise product: sm_90, TMA-readable a and K-major b, and
+    16-bit c."""
+    return (a.recipe.name == "rowwise" and _hopper(a.device) and c.dtype in (torch.bfloat16, torch.float16)
+            and weight_nk(b.data) and LaunchInfo.tma_ok(a.data) and LaunchInfo.tma_ok(b.data.transpose(1, 2))
+            and LaunchInfo.tma_ok(c) and a.data.numel() > 0)
+
+
+def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.Tensor, c: torch.Tensor,
+                        config: GemmConfig | None = None) -> None:
+    """``c = ragged-M product`` of ``a [M, K]`` quantized along K and ``b [E, K, N]`` quantized along K
+    (its data K-contiguous), into ``c [M, N]``; no host sync."""
+    if (config is None or config.gluon) and gluon_rowwise_ok(a, b, c):
+        from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
+
+        scales = (a.scale.view(-1), b.scale.view(b.shape[0], -1))
+        ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, launch_info(c.device).num_programs,
+                           scales)
+        return
+    run_ragged_m_fp8(a.data, _raw(a.scale), _A_BLOCKS[a.recipe.name], b.data, _raw(b.scale), _B_BLOCKS[b.recipe.name],
+                     offsets, c, fast_accum=a.recipe.name == "rowwise", config=config)
+
+
+def launch_ragged_k_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.Tensor, c: torch.Tensor,
+                        accumulate: int, flags: torch.Tensor | None, config: GemmConfig | None = None) -> None:
+    """``c[e] (+)= a_e^T b_e`` of ``a [M, K]`` and ``b [M, N]`` quantized along the tokens per group, into
+    (or added to) ``c [E, K, N]`` (any strides); no host sync."""
+    run_ragged_k_fp8(a.data, _raw(a.scale), b.data, _raw(b.scale), a.recipe.block, offsets, c, accumulate, flags,
+                     fast_accum=a.recipe.name == "rowwise", config=config)
+
+
+def _raw(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales as they are, E8M0 ones as their bytes."""
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale

@@ -1,0 +1,266 @@
+"""FP8 grouped GEMMs: the forward, dgrad and ragged-K wgrad of ``grouped_mm`` on FP8 operands.
+
+    y[s_e:t_e]  = (x * sx)[s_e:t_e] @ (w[e] * sw)          x quantized along K, w[e] along K
+    dx[s_e:t_e] = (dy * sdy)[s_e:t_e] @ (w[e] * sw')^T     dy along N, w[e] along N
+    dw[e]       = (x * sx')[s_e:t_e]^T @ (dy * sdy')[s_e:t_e]  both along the tokens, blocks per group
+
+FP32 accumulation, output in the activations' dtype (bf16 when the activations come quantized). The
+weight is quantized in both orientations by one kernel (``quantize_weight``); a caller that keeps the
+pair for as long as the weight does not change (``GroupedLinear`` does, per weight version) pays that
+once per optimizer step. The three products are ``torch.library`` custom ops on raw tensors (data,
+scale, recipe name), so ``torch.compile`` traces the autograd function that composes them; nothing
+reads group sizes on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dropless import reference
+from dropless.backend import use_triton
+from dropless.kernels.launch import weight_nk
+from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
+from dropless.ops.direct import DirectOp
+from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
+from dropless.ops.quantize import check_quantized, quantize, quantize_weight
+from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
+
+
+def swap_weight(q: QuantizedTensor) -> QuantizedTensor:
+    """A quantized weight ``[E, K, N]`` seen as ``[E, N, K]`` (views, no copy): quantized along N, it is
+    the right-hand operand of the dgrad product, quantized along dim 1."""
+    return QuantizedTensor(q.data.transpose(1, 2), q.scale.transpose(1, 2), q.recipe, 3 - q.dim)
+
+
+def _operands(a_data, a_scale, b_data, b_scale, recipe: str, offsets, token_dim: bool):
+    """The QuantizedTensors of a product's raw operands, as the GEMM recipe ``recipe`` lays them out."""
+    act, weights = operand_recipes(get_recipe(recipe))
+    if token_dim:
+        return (QuantizedTensor(a_data, a_scale, act, 0, offsets), QuantizedTensor(b_data, b_scale, act, 0, offsets))
+    return QuantizedTensor(a_data, a_scale, act, 1), QuantizedTensor(b_data, b_scale, weights, 1)
+
+
+def _ragged_m(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+              offsets: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+    a, b = _operands(a_data, a_scale, b_data, b_scale, recipe, offsets, token_dim=False)
+    if not use_triton(a_data.device):
+        return reference.grouped_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), offsets).to(out_dtype)
+    y = torch.empty(a_data.shape[0], b_data.shape[2], dtype=out_dtype, device=a_data.device)
+    if y.numel() > 0:
+        launch_ragged_m_fp8(a, b, offsets, y)
+    return y
+
+
+def _ragged_m_fake(a_data, a_scale, b_data, b_scale, offsets, recipe, out_dtype):
+    return a_data.new_empty(a_data.shape[0], b_data.shape[2], dtype=out_dtype)
+
+
+def _ragged_k_into(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+                   offsets: torch.Tensor, recipe: str, out: torch.Tensor, flags: torch.Tensor | None,
+                   accumulate: bool) -> None:
+    a, b = _operands(a_data, a_scale, b_data, b_scale, recipe, offsets, token_dim=True)
+    if not use_triton(a_data.device):
+        dw = reference.grouped_mm_wgrad(a.dequantize(torch.float32), b.dequantize(torch.float32), offsets)
+        reference.accumulate_into(out, dw, flags if flags is not None else accumulate)
+        return
+    mode = ACCUMULATE_FLAGGED if flags is not None else ACCUMULATE_ALL if accumulate else NO_ACCUMULATE
+    if out.numel() > 0:
+        launch_ragged_k_fp8(a, b, offsets, out, mode, flags)
+
+
+def _ragged_k_into_fake(a_data, a_scale, b_data, b_scale, offsets, recipe, out, flags, accumulate) -> None:
+    return None
+
+
+def _ragged_k(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+              offsets: torch.Tensor, recipe: str, out_dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """``dw [E, K, N]``, or its transpose ``[E, N, K]`` (contiguous) if ``transposed``."""
+    E, K, N = offsets.shape[0], a_data.shape[1], b_data.shape[1]
+    dw = torch.empty((E, N, K) if transposed else (E, K, N), dtype=out_dtype, device=a_data.device)
+    _ragged_k_into(a_data, a_scale, b_data, b_scale, offsets, recipe, dw.transpose(1, 2) if transposed else dw,
+                   None, False)
+    return dw
+
+
+def _ragged_k_fake(a_data, a_scale, b_data, b_scale, offsets, recipe, out_dtype, transposed):
+    E, K, N = offsets.shape[0], a_data.shape[1], b_data.shape[1]
+    return a_data.new_empty((E, N, K) if transposed else (E, K, N), dtype=out_dtype)
+
+
+RAGGED_M = DirectOp.define("fp8_ragged_m", _ragged_m, _ragged_m_fake)
+RAGGED_K = DirectOp.define("fp8_ragged_k", _ragged_k, _ragged_k_fake)
+RAGGED_K_INTO = DirectOp.define("fp8_ragged_k_into", _ragged_k_into, _ragged_k_into_fake, mutates_args=("out",))
+
+
+def quantized_mm(xq: QuantizedTensor, wq: QuantizedTensor, offsets: torch.Tensor, recipe: Recipe,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Forward product of operands already quantized (x along K, w ``[E, K, N]`` along K); no autograd."""
+    return RAGGED_M(xq.data, xq.scale, wq.data, wq.scale, offsets, recipe.name, out_dtype)
+
+
+def quantized_wgrad(xq: QuantizedTensor, dyq: QuantizedTensor, offsets: torch.Tensor, recipe: Recipe,
+                    out: torch.Tensor | None, flags: torch.Tensor | None, accumulate: bool,
+                    out_dtype: torch.dtype, transposed: bool = False) -> torch.Tensor:
+    """``dw[e] = x_e^T dy_e`` of operands quantized along the tokens per group: written into (or added
+    to) ``out``, or returned as a new ``[E, K, N]`` tensor (its ``[E, N, K]`` transpose if ``transposed``)."""
+    if out is None:
+        return RAGGED_K(xq.data, xq.scale, dyq.data, dyq.scale, offsets, recipe.name, out_dtype, transposed)
+    RAGGED_K_INTO(xq.data, xq.scale, dyq.data, dyq.scale, offsets, recipe.name, out, flags, accumulate)
+    return out
+
+
+class Fp8GroupedMM(torch.autograd.Function):
+    """``y = grouped x @ w`` in FP8 with the weight's two quantized orientations given.
+
+    forward(x [M, K], w [E, K, N], offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad,
+    accumulate): x in bf16/fp16/fp32, w the (unquantized) weight the gradient is for; ``main_grad``
+    (an fp32 ``[E, K, N]`` view) receives the weight gradient in place instead of ``w``'s gradient,
+    added for the experts whose ``accumulate`` flag is set (a bool ``[E]`` tensor).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate):
+        act, _ = operand_recipes(recipe)
+        xq = quantize(x, act, dim=1)
+        y = RAGGED_M(xq.data, xq.scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
+        wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
+        # Saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand.
+        xt = quantize(x, act, dim=0, offsets=offsets) if wants_wgrad else None
+        ctx.recipe = recipe
+        ctx.wants_wgrad = wants_wgrad
+        ctx.main_grad = main_grad
+        ctx.w_nk = weight_nk(w)
+        ctx.w_dtype = w.dtype
+        saved = (xt.data, xt.scale) if xt is not None else (None, None)
+        ctx.save_for_backward(offsets, wn_data, wn_scale, accumulate, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        offsets, wn_data, wn_scale, accumulate, xt_data, xt_scale = ctx.saved_tensors
+        recipe = ctx.recipe
+        act, weights = operand_recipes(recipe)
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq = quantize(dy, act, dim=1)
+            wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
+            dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
+        if ctx.wants_wgrad:
+            dyt = quantize(dy, act, dim=0, offsets=offsets)
+            xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets)
+            if ctx.main_grad is not None:
+                quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)
+            elif ctx.needs_input_grad[1]:
+                dw = quantized_wgrad(xt, dyt, offsets, recipe, None, None, False, ctx.w_dtype, ctx.w_nk)
+                dw = dw.transpose(1, 2) if ctx.w_nk else dw
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+def _fp8_capable(device: torch.device) -> None:
+    """FP8 tensor cores: sm_89 (Ada) or newer on a GPU; the CPU runs the reference or the interpreter."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(f"recipe: FP8 grouped GEMMs need FP8 tensor cores (compute capability 8.9 or newer); "
+                           f"{device} ({name}) has {torch.cuda.get_device_capability(device)}")
+
+
+def resolve_recipe(recipe: str | Recipe | None, *operands: object) -> Recipe:
+    """The GEMM recipe: ``recipe``, or that of the first QuantizedTensor operand.
+
+    ``"mxfp8"`` by name rounds its scales up (``mx_rounding="rceil"``), as NVIDIA's MXFP8 training
+    recipes do: OCP's floor rounding clips the largest values of a fifth of random blocks, which costs
+    about 2 dB of SQNR; pass ``dropless.Recipe("mxfp8", 32)`` for the OCP scales.
+    """
+    quantized = [q for q in operands if isinstance(q, QuantizedTensor)]
+    if recipe is None:
+        if not quantized:
+            raise ValueError("recipe must be given unless an operand is a QuantizedTensor")
+        recipe = quantized[0].recipe
+        if recipe.name == "block128x128":
+            recipe = get_recipe("block128", pow2=recipe.pow2)
+    elif recipe == "mxfp8":
+        recipe = get_recipe("mxfp8", mx_rounding="rceil")
+    resolved = get_recipe(recipe)
+    operand_recipes(resolved)  # a GEMM recipe, or a ValueError naming it
+    return resolved
+
+
+def check_quantized_operand(name: str, q: QuantizedTensor, recipe: Recipe, expected: Recipe, ndim: int,
+                            dim: int, grouped: bool) -> None:
+    """``q`` is a valid FP8 operand quantized with ``expected``'s recipe along ``dim`` (per group if
+    ``grouped``); errors name the argument."""
+    check_quantized(name, q)
+    if q.data.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(q.data.shape)}")
+    if q.recipe.name != expected.name:
+        raise ValueError(f"{name} was quantized with recipe {q.recipe.name!r}, but the {recipe.name!r} GEMM "
+                         f"needs {expected.name!r} here")
+    if q.dim != dim or (q.offsets is not None) != grouped:
+        where = "along the tokens, per group (offsets)" if grouped else f"along dim {dim}"
+        raise ValueError(f"{name} must be quantized {where}; it was quantized along dim {q.dim}"
+                         f"{' per group' if q.offsets is not None else ''}")
+
+
+def fp8_grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTensor, offsets: torch.Tensor,
+                   recipe: Recipe, w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None,
+                   main_grad: torch.Tensor | None = None, accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    """``grouped_mm`` in FP8 (``offsets`` already resolved and checked against M).
+
+    x: ``[M, K]`` bf16/fp16/fp32, or a QuantizedTensor along K; w: ``[E, K, N]`` (any strides), or a
+    QuantizedTensor along K. Plain tensors are differentiable (x, and w or ``main_grad``); with a
+    quantized operand the call is a forward product only. ``w_quantized``: ``quantize_weight(w)``'s
+    pair, reused instead of quantizing w again.
+    """
+    act, weights = operand_recipes(recipe)
+    _fp8_capable(x.device)
+    out_dtype = x.dtype if isinstance(x, torch.Tensor) else torch.bfloat16
+    if isinstance(x, QuantizedTensor) or isinstance(w, QuantizedTensor):
+        if isinstance(x, QuantizedTensor):
+            check_quantized_operand("x", x, recipe, act, 2, 1, grouped=False)
+        else:
+            x = quantize(x, act, dim=1)
+        if isinstance(w, QuantizedTensor):
+            check_quantized_operand("w", w, recipe, weights, 3, 1, grouped=False)
+            wk = w
+        else:
+            wk = w_quantized[0] if w_quantized is not None else quantize_weight(w, weights)[0]
+        if wk.shape[1] != x.shape[1]:
+            raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(wk.shape)}")
+        return quantized_mm(x, wk, offsets, recipe, out_dtype)
+    if w_quantized is None:
+        w_quantized = quantize_weight(w, weights)
+    else:
+        check_weight_pair(w_quantized, w, recipe, weights)
+    wk, wn = w_quantized
+    return Fp8GroupedMM.apply(x, w, offsets, wk.data, wk.scale, wn.data, wn.scale, recipe, main_grad, accumulate)
+
+
+def check_weight_pair(pair: object, w: torch.Tensor, recipe: Recipe, weights: Recipe) -> None:
+    """``pair`` is ``quantize_weight(w)``'s ``(along K, along N)`` for a weight of w's shape."""
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(q, QuantizedTensor) for q in pair)):
+        raise TypeError("w_quantized must be the (along K, along N) pair of QuantizedTensors that "
+                        f"dropless.quantize_weight returns, got {type(pair).__name__}")
+    for name, q, dim in (("w_quantized[0]", pair[0], 1), ("w_quantized[1]", pair[1], 2)):
+        check_quantized_operand(name, q, recipe, weights, 3, dim, grouped=False)
+        if q.shape != w.shape:
+            raise ValueError(f"{name} must have w's shape {tuple(w.shape)}, got {tuple(q.shape)}")
+
+
+def fp8_grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | QuantizedTensor,
+                         offsets: torch.Tensor, recipe: Recipe, out: torch.Tensor | None,
+                         flags: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+    """``grouped_mm_wgrad`` in FP8: x ``[M, K]`` and dy ``[M, N]`` quantized along the tokens per group
+    (or given so); ``out`` and the accumulation as in the BF16 op. A new result is bf16 (x's dtype
+    for a plain x)."""
+    act, _ = operand_recipes(recipe)
+    _fp8_capable(x.device)
+    out_dtype = x.dtype if isinstance(x, torch.Tensor) else torch.bfloat16
+    operands = []
+    for name, t in (("x", x), ("dy", dy)):
+        if isinstance(t, QuantizedTensor):
+            check_quantized_operand(name, t, recipe, act, 2, 0, grouped=True)
+            operands.append(t)
+        else:
+            operands.append(quantize(t, act, dim=0, offsets=offsets))
+    return quantized_wgrad(operands[0], operands[1], offsets, recipe, out, flags, accumulate, out_dtype)

@@ -1,0 +1,248 @@
+"""FP8 quantization: ``quantize`` (an activation or any 2D/3D tensor, optionally per group along the
+tokens) and ``quantize_weight`` (3D expert weights in both orientations, from one pass).
+
+The recipes and the layouts of data and scales are ``dropless.quantized``'s; both functions return
+``QuantizedTensor``s. They are ``torch.library`` custom ops (``dropless::quantize``,
+``dropless::quantize_weight``) with fake implementations, taking the recipe as its name and options,
+so ``torch.compile(fullgraph=True)`` traces through them; eager calls on plain tensors skip the
+dispatcher (``ops.direct``). Output shapes depend only on the input's shape, the recipe and E: nothing
+reads the group sizes on the host, and the Triton backend does not sync. Quantization is not
+differentiable (the FP8 GEMMs carry the gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dropless import reference
+from dropless.backend import use_triton
+from dropless.kernels.launch import cdiv
+from dropless.kernels.quantize import quantize_along, quantize_weight_3d
+from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets
+from dropless.ops.direct import DirectOp
+from dropless.quantized import FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def scale_shape(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: int | None = None) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of ``shape`` quantized along ``dim`` (non-negative) with
+    ``recipe``, per group of ``num_groups`` along dim 0 when given (``dropless.quantized``'s layouts)."""
+    if num_groups is not None:
+        rows = num_groups if recipe.block is None else cdiv(shape[0], recipe.block) + num_groups
+        return (rows, shape[1])
+    if recipe.tile:
+        return (*shape[:-2], cdiv(shape[-2], 128), cdiv(shape[-1], 128))
+    size = 1 if recipe.block is None else cdiv(shape[dim], recipe.block)
+    return (*shape[:dim], size, *shape[dim + 1:])
+
+
+def empty_quantized(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: int | None,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``(data, scale)`` laid out for ``recipe`` along ``dim``: data float8_e4m3fn of
+    ``shape`` with dim contiguous (a view of storage whose last dim is dim), scale contiguous."""
+    storage = [*shape[:dim], *shape[dim + 1:], shape[dim]]
+    data = torch.empty(storage, dtype=FP8_DTYPE, device=device).movedim(-1, dim)
+    scale = torch.empty(scale_shape(tuple(shape), recipe, dim, num_groups), dtype=recipe.scale_dtype, device=device)
+    return data, scale
+
+
+def _recipe_of(name: str, pow2: bool, mx_rounding: str) -> Recipe:
+    return replace(RECIPES[name], pow2=pow2, mx_rounding=mx_rounding)
+
+
+def _quantize(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
+              mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of x quantized along dim (non-negative) with the recipe named ``recipe``."""
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    if not use_triton(x.device):
+        return reference.quantize(x, r, dim, offsets)
+    data, scale = empty_quantized(x.shape, r, dim, None if offsets is None else offsets.shape[0], x.device)
+    quantize_along(x, data, scale, r, dim, offsets)
+    return data, scale
+
+
+def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
+                   mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    return empty_quantized(x.shape, r, dim, None if offsets is None else offsets.shape[0], x.device)
+
+
+def _quantize_weight(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data_k, scale_k, data_n, scale_n)``; block128x128's one scale is scale_k (scale_n is empty)."""
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    if not use_triton(w.device):
+        data_k, scale_k = reference.quantize(w, r, 1)
+        data_n, scale_n = reference.quantize(w, r, 2)
+        return data_k, scale_k, data_n, scale_n.new_empty(0) if r.tile else scale_n
+    data_k, data_n, scale_k, scale_n = _empty_weight(w, r)
+    quantize_weight_3d(w, data_k, data_n, scale_k, scale_k if r.tile else scale_n, r)
+    return data_k, scale_k, data_n, scale_n
+
+
+def _empty_weight(w: torch.Tensor, r: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    data_k, scale_k = empty_quantized(w.shape, r, 1, None, w.device)
+    data_n, scale_n = empty_quantized(w.shape, r, 2, None, w.device)
+    return data_k, data_n, scale_k, scale_n.new_empty(0) if r.tile else scale_n
+
+
+def _quantize_weight_fake(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding: str):
+    data_k, data_n, scale_k, scale_n = _empty_weight(w, _recipe_of(recipe, pow2, mx_rounding))
+    return data_k, scale_k, data_n, scale_n
+
+
+_QUANTIZE = DirectOp.define("quantize", _quantize, _quantize_fake)
+_QUANTIZE_WEIGHT = DirectOp.define("quantize_weight", _quantize_weight, _quantize_weight_fake)
+
+
+def _resolve_recipe(recipe: str | Recipe, pow2: bool | None, mx_rounding: str | None) -> Recipe:
+    """The recipe with its options, checked: a known name with its own block shape, and each option
+    given only to the recipes it applies to."""
+    r = get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding)
+    base = RECIPES.get(r.name)
+    if base is None or (r.block, r.tile) != (base.block, base.tile):
+        raise ValueError(f"recipe must be one of {list(RECIPES)} (with its own block shape), got {r!r}")
+    if r.mx_rounding not in MX_ROUNDINGS:
+        raise ValueError(f"recipe.mx_rounding must be one of {MX_ROUNDINGS}, got {r.mx_rounding!r}")
+    if r.name == "mxfp8" and r.pow2:
+        raise ValueError("pow2 applies to the fp32-scaled recipes; mxfp8's E8M0 scales are powers of two already")
+    if r.name != "mxfp8" and (mx_rounding is not None or r.mx_rounding != base.mx_rounding):
+        raise ValueError(f"mx_rounding applies to the mxfp8 recipe only, got it with recipe {r.name!r}")
+    return r
+
+
+def _check_input(name: str, t: torch.Tensor, ndims: tuple[int, ...]) -> None:
+    check_tensor(name, t)
+    if t.dim() not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in TRITON_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor with dtype in {[str(d) for d in TRITON_DTYPES]}, "
+                        f"got {t.dtype}")
+
+
+def _check_offsets(offsets: object, device: torch.device) -> None:
+    check_tensor("offsets", offsets)
+    if offsets.dim() != 1 or offsets.shape[0] == 0:
+        raise ValueError(f"offsets must have shape [E] with E >= 1 (cumulative group ends), got {tuple(offsets.shape)}")
+    if offsets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"offsets must be int32 or int64, got {offsets.dtype}")
+    check_same_device(device, offsets=offsets)
+
+
+def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
+             pow2: bool | None = None, mx_rounding: str | None = None) -> QuantizedTensor:
+    """Quantize ``x`` to FP8 along ``dim``: ``x ~= data * scale``, one scale per block of the recipe.
+
+    Args:
+        x: ``[M, K]`` or ``[E, K, N]``; bf16, fp16 or fp32; any strides.
+        recipe: ``"rowwise"``, ``"block128"`` (1x128), ``"block128x128"`` (128x128 tiles of the last
+            two dims), ``"mxfp8"`` (1x32, E8M0 scales), or a ``dropless.Recipe``.
+        dim: the quantized (contraction) dim: 0 or 1 (-2, -1) for a 2D x, 1 or 2 (-2, -1) for a 3D x.
+        offsets: int32/int64 ``[E]`` cumulative group ends on x's device, for a 2D x along dim 0
+            (the tokens, as a weight gradient reads them): blocks restart at every group start and
+            rows past ``offsets[-1]`` quantize to 0. Not with block128x128. Read on the device.
+        pow2: round fp32 scales up to powers of two (rowwise, block128, block128x128).
+        mx_rounding: mxfp8's scale exponent, ``"floor"`` (OCP MX, the default) or ``"rceil"``.
+    Returns:
+        A ``QuantizedTensor``: data float8_e4m3fn of x's shape with unit stride along dim (dim 0 of a
+        2D x: a transposed view of ``[K, M]`` storage), scale contiguous, fp32 or float8_e8m0fnu, as
+        ``dropless.quantized`` lays them out; offsets kept as int32. No host sync on the Triton backend.
+    """
+    r = _resolve_recipe(recipe, pow2, mx_rounding)
+    _check_input("x", x, (2, 3))
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [-{x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
+    dim %= x.dim()
+    if x.dim() == 3 and dim == 0:
+        raise ValueError("dim must be 1 or 2 (K or N) for a 3D x [E, K, N]: experts are never quantized across, got 0")
+    if offsets is not None:
+        _check_offsets(offsets, x.device)
+        if x.dim() != 2 or dim != 0:
+            raise ValueError(f"offsets need a 2D x quantized along dim 0 (the tokens), got x of shape "
+                             f"{tuple(x.shape)} and dim {dim}")
+        if r.tile:
+            raise ValueError("recipe block128x128 cannot restart its 128x128 tiles at group boundaries: "
+                             "offsets are not supported with it (use block128 along the tokens)")
+        validate_offsets(offsets, x.shape[0])
+        offsets = offsets.to(torch.int32)
+    data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding)
+    return QuantizedTensor(data, scale, r, dim, offsets)
+
+
+def quantize_weight(w: torch.Tensor, recipe: str | Recipe, *, pow2: bool | None = None,
+                    mx_rounding: str | None = None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Quantize expert weights ``w [E, K, N]`` along K and along N, reading w once (twice for rowwise).
+
+    The two orientations are what the forward (``y = x w``: w along K) and the input gradient
+    (``dx = dy w^T``: w along N) of a grouped GEMM read. The ``"block128"`` recipe quantizes weights
+    in 128x128 tiles (``"block128x128"``, as DeepSeek-V3 pairs 1x128 activation blocks with 128x128
+    weight tiles); ``"block128x128"`` may be named directly too.
+
+    Args:
+        w: ``[E, K, N]``, bf16, fp16 or fp32, any strides (commonly ``nn.Linear`` weights
+            ``[E, N, K]`` seen as ``.transpose(1, 2)``).
+        recipe, pow2, mx_rounding: as ``quantize``.
+    Returns:
+        ``(along K, along N)``: QuantizedTensors of shape ``[E, K, N]`` with dim 1 (data a view of
+        ``[E, N, K]`` storage) and dim 2 (contiguous data). With 128x128 tiles both share one scale
+        tensor ``[E, cdiv(K, 128), cdiv(N, 128)]``. One launch covers all experts; no host sync.
+    """
+    r = _resolve_recipe(recipe, pow2, mx_rounding)
+    if r.name == "block128":
+        r = replace(RECIPES["block128x128"], pow2=r.pow2)
+    _check_input("w", w, (3,))
+    data_k, scale_k, data_n, scale_n = _QUANTIZE_WEIGHT(w, r.name, r.pow2, r.mx_rounding)
+    return QuantizedTensor(data_k, scale_k, r, 1), QuantizedTensor(data_n, scale_k if r.tile else scale_n, r, 2)
+
+
+def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int | None = None) -> None:
+    """Raise a TypeError or ValueError naming ``name`` unless ``q`` is a ``QuantizedTensor`` laid out as
+    ``dropless.quantized`` says: float8_e4m3fn data with unit stride along ``q.dim``, a contiguous scale
+    of its recipe's dtype and shape (per group with offsets), all on one device; with ``ndim`` /
+    ``dim``, also of that rank and quantized along that dim."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"{name} must be a dropless.QuantizedTensor, got {type(q).__name__}")
+    if not isinstance(q.recipe, Recipe):
+        raise TypeError(f"{name}.recipe must be a dropless.Recipe, got {type(q.recipe).__name__}")
+    base = RECIPES.get(q.recipe.name)
+    if base is None or (q.recipe.block, q.recipe.tile) != (base.block, base.tile):
+        raise ValueError(f"{name}.recipe must be one of {list(RECIPES)} (with its own block shape), got {q.recipe!r}")
+    check_tensor(f"{name}.data", q.data)
+    check_tensor(f"{name}.scale", q.scale)
+    data, scale = q.data, q.scale
+    if data.dtype != FP8_DTYPE:
+        raise TypeError(f"{name}.data must be float8_e4m3fn (an FP8 QuantizedTensor), got {data.dtype}")
+    if ndim is not None and data.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(data.shape)}")
+    if isinstance(q.dim, bool) or not isinstance(q.dim, int) or not 0 <= q.dim < data.dim():
+        raise ValueError(f"{name}.dim must be a non-negative dim of its data of shape {tuple(data.shape)}, "
+                         f"got {q.dim!r}")
+    if dim is not None and q.dim != dim % data.dim():
+        raise ValueError(f"{name} must be quantized along dim {dim % data.dim()}, got dim {q.dim}")
+    if data.shape[q.dim] > 1 and data.stride(q.dim) != 1:
+        raise ValueError(f"{name}.data must have unit stride along its quantized dim {q.dim}, got strides "
+                         f"{data.stride()}")
+    if scale.dtype != q.recipe.scale_dtype:
+        raise TypeError(f"{name}.scale must be {q.recipe.scale_dtype} for recipe {q.recipe.name!r}, got {scale.dtype}")
+    check_same_device(data.device, **{f"{name}.scale": scale})
+    groups = None
+    if q.offsets is not None:
+        check_tensor(f"{name}.offsets", q.offsets)
+        if q.offsets.dim() != 1 or q.offsets.dtype not in INDEX_DTYPES or q.offsets.shape[0] == 0:
+            raise ValueError(f"{name}.offsets must be int32/int64 of shape [E] with E >= 1, got "
+                             f"{q.offsets.dtype} of shape {tuple(q.offsets.shape)}")
+        check_same_device(data.device, **{f"{name}.offsets": q.offsets})
+        if data.dim() != 2 or q.dim != 0 or q.recipe.tile:
+            raise ValueError(f"{name} has offsets, which need 2D data quantized along dim 0 with a recipe other "
+                             f"than block128x128; got shape {tuple(data.shape)}, dim {q.dim}, recipe {q.recipe.name!r}")
+        groups = q.offsets.shape[0]
+    expected = scale_shape(tuple(data.shape), q.recipe, q.dim, groups)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{name}.scale must have shape {list(expected)} for recipe {q.recipe.name!r} along dim "
+                         f"{q.dim}{' per group' if groups else ''} of data {tuple(data.shape)}, "
+                         f"got {tuple(scale.shape)}")
+    if not scale.is_contiguous():
+        raise ValueError(f"{name}.scale must be contiguous, got strides {scale.stride()}")

@@ -1,0 +1,476 @@
+"""dropless.kernels FP8 grouped GEMMs: ``run_ragged_m_fp8`` / ``run_ragged_k_fp8`` on operands built here in
+the layouts of ``dropless.quantized``, against the fp64 product of the dequantized operands.
+
+The oracle broadcasts every scale over its block with its own code (``_expand``, ``_token_scales``),
+not the kernels'. Outputs start as NaN, so an element the kernel skips shows; operand rows and scales
+that no group may read hold NaN too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from conftest import (
+    CUDA,
+    INTERPRETING,
+    KERNEL_DEVICE,
+    REL_TOL,
+    bounds_of,
+    offsets_of,
+    poisoned,
+    random_group_sizes,
+    rel_err,
+)
+
+from dropless.kernels import launch, tuning
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
+from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
+from dropless.kernels.ragged_m_fp8 import ragged_m_fp8_mm, scale_map
+from dropless.kernels.tuning import run_ragged_k_fp8, run_ragged_m_fp8
+
+DEVICE = KERNEL_DEVICE
+FP8 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+# Relative Frobenius error of a product against the fp64 oracle. FP8 values multiply exactly in fp32 and
+# the interpreter sums in fp32; Hopper's FP8 tensor cores sum with fewer bits than fp32 (about 1e-4 of
+# the result over one 64-deep step), which the kernels' promotion into fp32 after every step bounds, and
+# fast accumulation (no promotion) lets grow with the reduction.
+FP8_PRODUCT_TOL = REL_TOL[torch.float32] if INTERPRETING else 5e-4
+FP8_FAST_ACCUM_TOL = REL_TOL[torch.float32] if INTERPRETING else 2e-3
+# bf16 keeps 8 significant bits: an ulp is at most 2**-7 of the value. Rounding to nearest is within half
+# of it, but Triton's interpreter truncates, so a whole ulp is allowed, element by element.
+BF16_ULP = 2.0**-7
+
+
+# ---------------------------------------------------------------------------------------------------
+# Operands and the oracle's view of their scales
+
+
+def _fp8(*shape: int) -> torch.Tensor:
+    """Random float8_e4m3fn over its whole range [-448, 448]."""
+    return (torch.rand(*shape) * 896 - 448).to(FP8).to(DEVICE)
+
+
+def _scales(*shape: int, e8m0: bool = False) -> torch.Tensor:
+    """Random positive scales: fp32 of any mantissa, or E8M0 bytes 115..135 (2**-12 .. 2**8)."""
+    if e8m0:
+        return torch.randint(115, 136, shape, dtype=torch.uint8).view(E8M0).to(DEVICE)
+    return torch.exp2(torch.empty(shape).uniform_(-4, 4)).to(DEVICE)
+
+
+def _values(scale: torch.Tensor) -> torch.Tensor:
+    """fp64 values of fp32 or E8M0 scales (``2**(byte - 127)``)."""
+    if scale.dtype in (E8M0, torch.uint8):
+        return torch.exp2(scale.view(torch.uint8).double() - 127)
+    return scale.double()
+
+
+def _expand(scale: torch.Tensor, blocks: Sequence[int | None], shape: Sequence[int]) -> torch.Tensor:
+    """The fp64 scale of every element of a tensor of ``shape``: each scale repeated over its block
+    (None: the whole dim), cropped to the shape."""
+    s = _values(scale)
+    for dim, (block, size) in enumerate(zip(blocks, shape)):
+        s = s.repeat_interleave(size if block is None else block, dim).narrow(dim, 0, size)
+    return s
+
+
+def _token_scales(scale: torch.Tensor, block: int | None, sizes: Sequence[int], M: int) -> torch.Tensor:
+    """fp64 ``[M, cols]``: the scale row of each token quantized per group along the tokens (rowwise: row
+    e for group e; blocks: row ``s_e // B + e + j`` for block j of group e), NaN for rows of no group."""
+    s = _values(scale)
+    out = torch.full((M, s.shape[1]), float("nan"), dtype=torch.float64, device=s.device)
+    for e, (start, end) in enumerate(bounds_of(sizes)):
+        for i in range(start, end):
+            out[i] = s[e] if block is None else s[start // block + e + (i - start) // block]
+    return out
+
+
+def _token_scale_rows(cols: int, block: int | None, sizes: Sequence[int], M: int, e8m0: bool) -> torch.Tensor:
+    """Random scales ``[E, cols]`` (rowwise) or ``[cdiv(M, B) + E, cols]``; rows that no group's block
+    uses (an empty group's, the padding) hold NaN, so a kernel that reads them shows."""
+    E = len(sizes)
+    rows = E if block is None else -(-M // block) + E
+    scale = _scales(rows, cols, e8m0=e8m0).cpu()
+    used = torch.zeros(rows, dtype=torch.bool)
+    for e, (start, end) in enumerate(bounds_of(sizes)):
+        if end > start:
+            first = e if block is None else start // block + e
+            used[first:first + (1 if block is None else -(-(end - start) // block))] = True
+    if e8m0:
+        scale.view(torch.uint8)[~used] = 255
+    else:
+        scale[~used] = float("nan")
+    return scale.to(DEVICE)
+
+
+def _oracle_grouped_mm(a64: torch.Tensor, b64: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """fp64 ``y[s_e:t_e] = a64[s_e:t_e] @ b64[e]``, zero past the last group."""
+    y = torch.zeros(a64.shape[0], b64.shape[2], dtype=torch.float64, device=a64.device)
+    for e, (s, t) in enumerate(bounds_of(sizes)):
+        y[s:t] = a64[s:t] @ b64[e]
+    return y
+
+
+def _oracle_wgrad(a64: torch.Tensor, b64: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """fp64 ``dw[e] = a64[s_e:t_e]^T @ b64[s_e:t_e]``, zero for an empty group."""
+    dw = torch.zeros(len(sizes), a64.shape[1], b64.shape[1], dtype=torch.float64, device=a64.device)
+    for e, (s, t) in enumerate(bounds_of(sizes)):
+        dw[e] = a64[s:t].T @ b64[s:t]
+    return dw
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, product_tol: float = FP8_PRODUCT_TOL) -> None:
+    """Every element finite; the relative Frobenius error within ``product_tol`` (and within ``REL_TOL``
+    of a 16-bit output, whose every element is also within an ulp of the reference plus the product's
+    error). An all-zero reference must be matched exactly."""
+    finite = torch.isfinite(out.detach())
+    assert bool(finite.all()), f"{what}: {int((~finite).sum())} non-finite elements (unwritten or poisoned)"
+    err = rel_err(out, ref)
+    tol = max(product_tol, REL_TOL[out.dtype])
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g} ({out.dtype})"
+    if out.dtype != torch.float32:
+        off = (out.detach().double() - ref).abs()
+        bound = BF16_ULP * ref.abs() + product_tol * ref.abs().max()
+        assert bool((off <= bound).all()), f"{what}: {int((off > bound).sum())} elements off by more than an ulp"
+
+
+def _check_rows(y: torch.Tensor, ref: torch.Tensor, sizes: Sequence[int], fast_accum: bool = False) -> None:
+    """``y [M, N]`` against ``ref`` group by group (a small group's error is not drowned by a big one's),
+    and the rows past the last group exactly zero."""
+    tol = FP8_FAST_ACCUM_TOL if fast_accum else FP8_PRODUCT_TOL
+    _assert_close(y, ref, "y", tol)
+    for e, (s, t) in enumerate(bounds_of(sizes)):
+        if t > s:
+            _assert_close(y[s:t], ref[s:t], f"y rows of group {e}", tol)
+    assert bool((y[sum(sizes):] == 0).all()), "y: rows past offsets[-1] are not all zero"
+
+
+def _check_experts(dw: torch.Tensor, ref: torch.Tensor, fast_accum: bool = False) -> None:
+    """``dw [E, K, N]`` against ``ref`` expert by expert; an empty group's expert exactly as the reference."""
+    tol = FP8_FAST_ACCUM_TOL if fast_accum else FP8_PRODUCT_TOL
+    _assert_close(dw, ref, "dw", tol)
+    for e in range(dw.shape[0]):
+        _assert_close(dw[e], ref[e], f"dw[{e}]", tol)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ragged M (forward, dgrad)
+
+# name: (a_block, b_block, a_e8m0, b_e8m0), as dropless.quantized lays the recipes out, and generic maps.
+SCALE_MAPS = {
+    "rowwise": ((1, None), (None, 1), False, False),
+    "block128": ((1, 128), (128, 128), False, False),
+    "mxfp8": ((1, 32), (32, 1), True, True),
+    "block64x32": ((1, 64), (64, 32), False, False),  # several blocks along K and N at small shapes
+    "a32_b_rowwise": ((1, 32), (None, 1), False, True),  # only a's scales change along K
+}
+
+# (M, K, N, sizes, out dtype); K a multiple of 16 gives fp8 rows TMA can read, the others take pointers.
+SHAPES_M = {
+    "aligned": (100, 64, 48, [20, 0, 45, 21], torch.float32),
+    "odd": (77, 80, 100, [0, 30, 0, 0, 40, 0], torch.bfloat16),
+    "unaligned_k": (60, 72, 40, [7, 33, 0, 11], torch.float32),
+    "giant_group": (130, 96, 32, [0, 130, 0], torch.bfloat16),
+    "m1": (1, 32, 16, [1, 0], torch.float32),
+    "e1_tail": (50, 48, 40, [13], torch.float32),
+}
+
+
+def _ragged_m_operands(M, K, N, sizes, scale_map_name, scale_view=False):
+    """a, a_scale, b, b_scale and the fp64 oracle; a's rows past the last group and their scales are NaN.
+
+    scale_view: b_scale as a transposed view (the dgrad's weight scales are one)."""
+    a_block, b_block, a_e8m0, b_e8m0 = SCALE_MAPS[scale_map_name]
+    E = len(sizes)
+    a = _fp8(M, K)
+    b = _fp8(E, N, K).transpose(1, 2)  # [E, K, N], K contiguous
+    a_scale = _scales(-(-M // a_block[0]), 1 if a_block[1] is None else -(-K // a_block[1]), e8m0=a_e8m0)
+    b_shape = (E, 1 if b_block[0] is None else -(-K // b_block[0]), -(-N // b_block[1]))
+    if scale_view:
+        b_scale = _scales(E, b_shape[2], b_shape[1], e8m0=b_e8m0).transpose(1, 2)
+    else:
+        b_scale = _scales(*b_shape, e8m0=b_e8m0)
+    a64 = a.double() * _expand(a_scale, a_block, (M, K))
+    b64 = b.double() * _expand(b_scale, (1, *b_block), (E, K, N))
+    ref = _oracle_grouped_mm(a64, b64, sizes)
+    tail = sum(sizes)
+    a[tail:] = float("nan")  # the unused rows of a worst-case-sized buffer
+    if a_e8m0:
+        a_scale.view(torch.uint8)[tail:] = 255
+    else:
+        a_scale[tail:] = float("nan")
+    return a, a_scale, a_block, b, b_scale, b_block, ref
+
+
+@pytest.fixture
+def descriptor_calls(monkeypatch):
+    """Counts the TMA descriptors the launchers build (0: the pointer path ran)."""
+    calls = []
+    original = launch.LaunchInfo.descriptor
+
+    def counting(t, block_shape):
+        calls.append(tuple(t.shape))
+        return original(t, block_shape)
+
+    monkeypatch.setattr(launch.LaunchInfo, "descriptor", staticmethod(counting))
+    return calls
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("scales", list(SCALE_MAPS))
+@pytest.mark.parametrize("shape", list(SHAPES_M))
+def test_ragged_m_fp8(shape, scales, tma, descriptor_calls):
+    M, K, N, sizes, dtype = SHAPES_M[shape]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales)
+    y = poisoned((M, N), dtype, DEVICE)
+    run_ragged_m_fp8(a, a_scale, a_block, b, b_scale, b_block, offsets_of(sizes, DEVICE), y, tma=tma)
+    _check_rows(y, ref, sizes)
+    assert bool(descriptor_calls) == (tma is None and K % 16 == 0), descriptor_calls
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("scales", ["block128", "mxfp8"])
+def test_ragged_m_fp8_many_blocks(scales, tma):
+    """Several 128-deep blocks along K and 128-wide ones along N; b's scales as a transposed view."""
+    M, K, N, sizes = 90, 288, 136, [25, 0, 50]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales, scale_view=True)
+    y = poisoned((M, N), torch.float32, DEVICE)
+    run_ragged_m_fp8(a, a_scale, a_block, b, b_scale, b_block, offsets_of(sizes, DEVICE), y, tma=tma)
+    _check_rows(y, ref, sizes)
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("scales", ["rowwise", "block64x32"])
+def test_ragged_m_fp8_rows_depend_only_on_their_own_group(scales, tma):
+    """Non-finite rows of one group leave the other groups' rows intact (TMA tiles read across groups)."""
+    M, K, N, sizes = 100, 64, 48, [20, 0, 45, 21]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales)
+    a[20:25] = float("nan")  # first rows of group 2, inside the last tile of group 0
+    y = poisoned((M, N), torch.float32, DEVICE)
+    run_ragged_m_fp8(a, a_scale, a_block, b, b_scale, b_block, offsets_of(sizes, DEVICE), y, tma=tma)
+    _assert_close(y[:20], ref[:20], "group 0")
+    _assert_close(y[65:86], ref[65:86], "group 3")
+    assert bool((y[86:] == 0).all())
+
+
+@pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
+def test_ragged_m_fp8_scale_dtypes_and_fast_accum(scales):
+    """E8M0 scales given as their uint8 view, and fast accumulation, give the same product."""
+    M, K, N, sizes = 64, 64, 32, [30, 34]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales)
+    if a_scale.dtype == E8M0:
+        a_scale = a_scale.view(torch.uint8)
+    y = poisoned((M, N), torch.float32, DEVICE)
+    run_ragged_m_fp8(a, a_scale, a_block, b, b_scale, b_block, offsets_of(sizes, DEVICE), y, fast_accum=True)
+    _check_rows(y, ref, sizes, fast_accum=True)
+
+
+def test_ragged_m_fp8_scale_map():
+    """Blocks that span their dim need no stride (one kernel for every size); the promotion step is the
+    shortest block along K; blocks along K that no FP8 step fits are refused."""
+    a, b = _fp8(64, 256), _fp8(2, 96, 256).transpose(1, 2)
+    rowwise = scale_map(a, _scales(64, 1), (1, None), b, _scales(2, 1, 96), (None, 1))
+    assert (rowwise.a_k, rowwise.b_k, rowwise.step) == ((1, 0), (1, 0), None)
+    block = scale_map(a, _scales(64, 2), (1, 128), b, _scales(2, 8, 96), (32, 1))
+    assert (block.a_k, block.b_k, block.b_n, block.step) == ((128, 1), (32, 96), (1, 1), 32)
+    assert scale_map(a, _scales(64, 1), (1, 256), b, _scales(2, 1, 1), (256, 128)).step is None
+    for a_block in ((1, 16), (1, 48)):
+        with pytest.raises(ValueError, match="powers of two of at least 32"):
+            scale_map(a, _scales(64, 16), a_block, b, _scales(2, 1, 96), (None, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ragged K (weight gradient)
+
+# name: (token block, e8m0); blocks of 32 and 64 give several blocks per group at small shapes.
+TOKEN_SCALES = {"rowwise": (None, False), "block128": (128, False), "block64": (64, False), "mxfp8": (32, True)}
+
+# (M, K, N, sizes); M a multiple of 16 gives fp8 columns TMA can read with rowwise scales (groups start
+# anywhere: the interpreter, as the GPU, refuses a TMA window that does not start 16-byte aligned), the
+# others take pointers.
+SHAPES_K = {
+    "aligned": (96, 64, 48, [20, 0, 45, 21]),
+    "odd": (77, 40, 24, [0, 30, 0, 0, 40, 0]),
+    "giant_group": (144, 32, 16, [0, 144, 0]),
+    "m1": (16, 16, 32, [1, 0]),
+}
+
+
+def _ragged_k_operands(M, K, N, sizes, scales_name):
+    """a [M, K] and b [M, N] quantized along the tokens (M contiguous), their per-group scales and the
+    fp64 oracle; rows past the last group hold NaN."""
+    block, e8m0 = TOKEN_SCALES[scales_name]
+    a = _fp8(K, M).t()
+    b = _fp8(N, M).t()
+    a_scale = _token_scale_rows(K, block, sizes, M, e8m0)
+    b_scale = _token_scale_rows(N, block, sizes, M, e8m0)
+    a64 = a.double() * _token_scales(a_scale, block, sizes, M)
+    b64 = b.double() * _token_scales(b_scale, block, sizes, M)
+    ref = _oracle_wgrad(a64, b64, sizes)
+    a[sum(sizes):] = float("nan")
+    b[sum(sizes):] = float("nan")
+    return a, a_scale, b, b_scale, block, ref
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("scales", list(TOKEN_SCALES))
+@pytest.mark.parametrize("shape", list(SHAPES_K))
+def test_ragged_k_fp8(shape, scales, tma, descriptor_calls):
+    M, K, N, sizes = SHAPES_K[shape]
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    dtype = torch.bfloat16 if shape == "odd" else torch.float32
+    out = poisoned((len(sizes), K, N), dtype, DEVICE)
+    run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
+    _check_experts(out, ref)
+    assert bool(descriptor_calls) == (tma is None and M % 16 == 0 and block is None), descriptor_calls
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["ekn", "enk_view"])
+@pytest.mark.parametrize("mode", [NO_ACCUMULATE, ACCUMULATE_ALL, ACCUMULATE_FLAGGED],
+                         ids=["overwrite", "all", "flagged"])
+@pytest.mark.parametrize("scales", ["rowwise", "block64"])
+def test_ragged_k_fp8_accumulate(scales, mode, transposed, tma):
+    """Into an fp32 main_grad (a transposed view too); an empty group leaves its expert unchanged when
+    it accumulates and zero when it does not."""
+    M, K, N, sizes = 112, 48, 32, [0, 33, 0, 60, 5, 0]
+    E = len(sizes)
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    flags = torch.tensor([True, False, False, True, True, False], device=DEVICE) \
+        if mode == ACCUMULATE_FLAGGED else None
+    out = poisoned((E, K, N), torch.float32, DEVICE, transposed)
+    if mode != NO_ACCUMULATE:
+        out.copy_(torch.randn(E, K, N) * 1e6)
+    init = out.clone()
+    run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, mode, flags, tma=tma)
+    add = torch.full((E,), mode == ACCUMULATE_ALL, device=DEVICE) if flags is None else flags
+    _check_experts(out, torch.where(add.view(-1, 1, 1), init.double() + ref, ref))
+    for e, (s, t) in enumerate(bounds_of(sizes)):
+        if s == t:
+            assert torch.equal(out[e], init[e] if add[e] else torch.zeros_like(init[e]))
+
+
+@pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
+def test_ragged_k_fp8_ignores_rows_outside_the_group(scales, tma):
+    """A non-finite token of one group, read by the last step of the group before it, stays in its own."""
+    M, K, N, sizes = 96, 32, 48, [20, 0, 45, 15]
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    a[20] = float("nan")  # first token of group 2
+    b[21] = float("inf")
+    out = poisoned((4, K, N), torch.float32, DEVICE)
+    run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
+    for e in (0, 1, 3):
+        _assert_close(out[e], ref[e], f"dw[{e}]")
+
+
+def test_ragged_k_fp8_refuses_other_token_blocks():
+    a, b = _fp8(16, 64).t(), _fp8(16, 64).t()
+    with pytest.raises(ValueError, match="power of two of at least 32"):
+        run_ragged_k_fp8(a, _scales(6, 16), b, _scales(6, 16), 48, offsets_of([64], DEVICE),
+                         torch.empty(1, 16, 16, device=DEVICE), NO_ACCUMULATE, None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schedules: every switch a candidate config may turn on (static or by-work order, flattened or
+# warp-specialized loops, TMA stores, two programs per SM), at small tiles on the interpreter.
+
+SCHEDULES = [
+    GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, flatten=True, programs_per_sm=2),
+    GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, warp_specialize=True, tma_store=True),
+    GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, by_work=True, tma_store=True),
+]
+
+
+@pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
+@pytest.mark.parametrize("config", SCHEDULES, ids=str)
+def test_ragged_m_fp8_schedules(config, scales):
+    M, K, N, sizes = 100, 64, 48, [40, 0, 45, 1]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales)
+    y = poisoned((M, N), torch.bfloat16, DEVICE)
+    ragged_m_fp8_mm(a, a_scale, b, b_scale, scale_map(a, a_scale, a_block, b, b_scale, b_block),
+                    offsets_of(sizes, DEVICE), y, config, launch.launch_info(DEVICE))
+    _check_rows(y, ref, sizes)
+
+
+@pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
+@pytest.mark.parametrize("config", SCHEDULES, ids=str)
+def test_ragged_k_fp8_schedules(config, scales):
+    M, K, N, sizes = 96, 64, 32, [40, 0, 45, 1]
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    out = poisoned((len(sizes), K, N), torch.float32, DEVICE)
+    ragged_k_fp8_mm(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None,
+                    config, launch.launch_info(DEVICE))
+    _check_experts(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPU: realistic shapes, and every candidate config of each FP8 tuner with the scales it serves.
+
+# (M, K, N, E); sizes drawn at random with empty groups and rows past the last group.
+GPU_SHAPES = {"e8": (4096, 1024, 768, 8), "e16_odd": (3000, 1040, 520, 16)}
+
+
+def _gpu_cases(fast, promoted, step128, step32) -> list:
+    """``(scales, fast_accum, config)`` for every candidate of the tuners of one kernel: rowwise scales with
+    fast or promoted accumulation, blocks of 128, MXFP8's blocks of 32."""
+    return ([("rowwise", True, config) for config in fast.candidates]
+            + [("rowwise", False, config) for config in promoted.candidates]
+            + [("block128", False, config) for config in step128.candidates]
+            + [("mxfp8", False, config) for config in step32.candidates])
+
+
+def _case_id(case) -> str:
+    scales, fast_accum, config = case
+    return f"{scales}{'-fast' if fast_accum else ''}-{config}"
+
+
+def _skip_if_it_does_not_fit(launcher, *args) -> None:
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        launcher(*args)
+    except OutOfResources as error:
+        pytest.skip(f"does not fit this GPU: {error}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("case", _gpu_cases(tuning._RAGGED_M_FP8_FAST, tuning._RAGGED_M_FP8,
+                                            tuning._RAGGED_M_FP8_STEP128, tuning._RAGGED_M_FP8_STEP32), ids=_case_id)
+def test_ragged_m_fp8_every_candidate_gpu(case, shape):
+    scales, fast_accum, config = case
+    M, K, N, E = GPU_SHAPES[shape]
+    sizes = random_group_sizes(E, M - 37)
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, scales)
+    y = poisoned((M, N), torch.bfloat16, DEVICE)  # what activations are; an fp32 tile needs more shared memory
+    _skip_if_it_does_not_fit(ragged_m_fp8_mm, a, a_scale, b, b_scale,
+                             scale_map(a, a_scale, a_block, b, b_scale, b_block), offsets_of(sizes, DEVICE), y,
+                             config, launch.launch_info(DEVICE), fast_accum)
+    _check_rows(y, ref, sizes, fast_accum)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["overwrite", "flagged"])
+@pytest.mark.parametrize("case", _gpu_cases(tuning._RAGGED_K_FP8_FAST, tuning._RAGGED_K_FP8, tuning._RAGGED_K_FP8,
+                                            tuning._RAGGED_K_FP8_STEP32), ids=_case_id)
+def test_ragged_k_fp8_every_candidate_gpu(case, mode):
+    scales, fast_accum, config = case
+    M, K, N, E = 4096, 512, 768, 8
+    sizes = random_group_sizes(E, M - 37)
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    out = poisoned((E, K, N), torch.float32, DEVICE)
+    flags = None
+    if mode == "flagged":
+        out.copy_(torch.randn(E, K, N, device=DEVICE) * ref.abs().max())
+        flags = torch.arange(E, device=DEVICE) % 2 == 0
+        ref = torch.where(flags.view(-1, 1, 1), out.double() + ref, ref)
+    _skip_if_it_does_not_fit(ragged_k_fp8_mm, a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out,
+                             NO_ACCUMULATE if flags is None else ACCUMULATE_FLAGGED, flags, config,
+                             launch.launch_info(DEVICE), fast_accum)
+    _check_experts(out, ref, fast_accum)

@@ -1,0 +1,544 @@
+"""FP8 quantization: ``dropless.quantize`` / ``quantize_weight`` and their kernels.
+
+The Triton kernels (the interpreter on the CPU) match ``dropless.reference.quantize`` bit for bit, data
+and scale bytes, for every recipe; the reference itself is checked against hand-computed cases, an
+exponent oracle in Python floats and dequantization round trips. Then the per-group layout, outputs
+poisoned before the kernels run, argument errors, and the swizzled MX scale layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import CUDA, KERNEL_DEVICE, make_w, offsets_of
+
+import dropless
+from dropless import reference
+from dropless.kernels import quantize as quantize_kernels
+from dropless.kernels.quantize import quantize_along, quantize_weight_3d
+from dropless.ops.quantize import check_quantized, empty_quantized
+from dropless.quantized import E8M0_DTYPE, FP8_DTYPE, QuantizedTensor, get_recipe
+
+# (recipe, options): every recipe and option the kernels specialize on.
+RECIPES = [
+    ("rowwise", {}),
+    ("rowwise", {"pow2": True}),
+    ("block128", {}),
+    ("block128", {"pow2": True}),
+    ("block128x128", {}),
+    ("mxfp8", {}),
+    ("mxfp8", {"mx_rounding": "rceil"}),
+]
+GROUP_RECIPES = [r for r in RECIPES if r[0] != "block128x128"]
+RECIPE_IDS = [name + "".join(f"-{v}" for v in opts.values()) for name, opts in RECIPES]
+GROUP_RECIPE_IDS = [i for i in RECIPE_IDS if not i.startswith("block128x128")]
+E4M3_STEP = 2.0**-4  # e4m3 keeps 3 mantissa bits: a rounding error of at most half of 2**-3, relative
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte tensors (FP8 data, E8M0 scales) as their bytes, so that comparisons are bitwise."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def assert_same(q: QuantizedTensor, data: torch.Tensor, scale: torch.Tensor, what: str = "") -> None:
+    """``q`` holds exactly ``(data, scale)``: same bytes, shapes and data strides."""
+    assert q.data.dtype == FP8_DTYPE and q.scale.dtype == scale.dtype, what
+    assert q.data.shape == data.shape, (what, q.data.shape, data.shape)
+    assert q.data.stride() == data.stride() or not data.numel(), (what, q.data.stride(), data.stride())
+    assert q.scale.shape == scale.shape and q.scale.is_contiguous(), (what, q.scale.shape, scale.shape)
+    bad = raw(q.data).cpu() != raw(data).cpu()
+    assert not bad.any(), f"{what}: {int(bad.sum())} data bytes differ, first at {bad.nonzero()[0].tolist()}"
+    bad_scale = raw(q.scale).cpu() != raw(scale).cpu()
+    assert not bad_scale.any(), \
+        f"{what}: {int(bad_scale.sum())} scales differ, first at {bad_scale.nonzero()[0].tolist()}"
+
+
+def planted(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """Random values over several decades, with a zero row and column, a lone outlier, tiny and huge
+    values in the slices of the last dim (fp32 only for those that bf16/fp16 cannot hold)."""
+    x = torch.randn(shape) * torch.exp2(torch.randint(-6, 7, shape[:-1] + (1,)).float())
+    flat = x.view(-1, shape[-1])
+    rows = flat.shape[0]
+    if rows > 3 and shape[-1] > 3:
+        flat[1] = 0.0
+        flat[:, 2] = 0.0
+        flat[2, 1] = 3e4  # one outlier in a block of small values
+        flat[3] *= 1e-3
+    if dtype == torch.float32 and rows > 5:
+        flat[4] *= 1e-40  # subnormal fp32 values: the scale exponents clamp at 2**-127
+        flat[5] = flat[5].sign() * 3.0e38 * torch.rand(shape[-1])  # near fp32's largest
+    return x.to(dtype).to(device)
+
+
+def reference_q(x: torch.Tensor, name: str, opts: dict, dim: int, offsets=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize(x.cpu(), get_recipe(name, **opts), dim, None if offsets is None else offsets.cpu())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernels and the public API against the reference, bit for bit
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("shape, dtype", [((200, 136), torch.float32), ((45, 290), torch.bfloat16)])
+def test_2d_matches_reference(backend, name, opts, dim, shape, dtype):
+    _, device = backend
+    x = planted(shape, dtype, device)
+    q = dropless.quantize(x, name, dim, **opts)
+    assert q.dim == dim % 2 and q.recipe == get_recipe(name, **opts) and q.offsets is None
+    assert_same(q, *reference_q(x, name, opts, dim), f"{name} dim {dim}")
+    check_quantized("q", q, ndim=2, dim=dim)
+
+
+def test_rowwise_rows_longer_than_a_step(triton_backend, monkeypatch):
+    """Rows longer than the rowwise kernel's step are walked in several chunks, twice."""
+    monkeypatch.setattr(quantize_kernels, "_MAX_ROWWISE_BLOCK_K", 32)
+    x = planted((40, 150), torch.float32, triton_backend)
+    for opts in ({}, {"pow2": True}):
+        assert_same(dropless.quantize(x, "rowwise", 1, **opts), *reference_q(x, "rowwise", opts, 1))
+
+
+def test_2d_any_strides(triton_backend):
+    x = torch.randn(300, 200, device=triton_backend)[::2, 3:139]  # row stride 400, offset start
+    for dim in (0, 1):
+        for name in ("rowwise", "mxfp8"):
+            assert_same(dropless.quantize(x, name, dim), *reference_q(x, name, {}, dim), f"{name} {dim}")
+    xt = torch.randn(136, 70, device=triton_backend).t()  # unit stride along the tokens
+    assert_same(dropless.quantize(xt, "block128", 0), *reference_q(xt, "block128", {}, 0))
+
+
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("sizes, M", [
+    ([0, 70, 0, 80, 50], 200),  # empty groups, sizes not divisible by 32 or 128
+    ([190], 200),  # one giant group, 10 rows past offsets[-1]
+    ([0, 0, 0], 37),  # no rows in any group: all data 0, every scale 1
+    ([33, 1, 130, 31, 5], 200),  # starts at every phase of the blocks
+])
+def test_grouped_matches_reference(backend, name, opts, sizes, M):
+    _, device = backend
+    x = planted((M, 72), torch.float32, device)
+    offsets = offsets_of(sizes, device, torch.int64 if len(sizes) == 1 else torch.int32)
+    q = dropless.quantize(x, name, 0, offsets, **opts)
+    assert q.offsets.dtype == torch.int32 and q.offsets.tolist() == offsets.tolist()
+    data, scale = reference_q(x, name, opts, 0, offsets)
+    assert_same(q, data, scale, f"{name} {sizes}")
+    check_quantized("q", q, ndim=2, dim=0)
+    assert not raw(q.data[sum(sizes):]).any(), "rows past offsets[-1] must be 0"
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("E, K, N", [(3, 100, 72), (1, 130, 64)])
+def test_weight_matches_reference(backend, name, opts, layout, E, K, N):
+    _, device = backend
+    w = make_w(E, K, N, torch.bfloat16, device, layout) * 4
+    qk, qn = dropless.quantize_weight(w, name, **opts)
+    expected = get_recipe("block128x128" if name == "block128" else name, **opts)
+    assert (qk.dim, qn.dim) == (1, 2) and qk.recipe == qn.recipe == expected
+    assert_same(qk, *reference.quantize(w.cpu(), expected, 1), f"{name} along K")
+    assert_same(qn, *reference.quantize(w.cpu(), expected, 2), f"{name} along N")
+    assert qk.data.transpose(1, 2).is_contiguous() and qn.data.is_contiguous()
+    if expected.tile:
+        assert qk.scale is qn.scale
+    check_quantized("wk", qk, ndim=3, dim=1)
+    check_quantized("wn", qn, ndim=3, dim=2)
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+def test_3d_quantize_matches_weight(backend, name, opts):
+    """``quantize`` of a 3D tensor along one dim is that orientation of ``quantize_weight``."""
+    _, device = backend
+    w = make_w(2, 70, 40, torch.float16, device)
+    for dim in (1, 2):
+        assert_same(dropless.quantize(w, name, dim, **opts), *reference_q(w, name, opts, dim), f"dim {dim}")
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_mxfp8_extremes_bit_exact(backend, rounding):
+    """Blocks of zeros, of subnormal and of huge values, with one outlier, and exact powers of two."""
+    _, device = backend
+    x = torch.randn(8, 96) * 1e-2
+    x[0, :32] = 0.0
+    x[1, :32] = torch.randn(32) * 1e-42  # subnormal amax: the scale clamps at 2**-127
+    x[1, 32:64] = torch.randn(32) * 2.0**-118  # amax / 448 near 2**-127: rceil's subnormal quotients
+    x[2, :32] = torch.randn(32).sign() * 3.4e38
+    x[2, 40] = -3.4028234e38  # fp32's largest finite value
+    x[3, 5] = 1e5
+    x[4, :32] = 2.0 ** torch.arange(-16, 16).float()
+    x[5, :32] = 448.0 * 2.0 ** torch.arange(-16, 16).float()
+    x[6, :32] = torch.full((32,), 2.0**-127)
+    x = x.to(device)
+    for dim in (0, 1):
+        q = dropless.quantize(x, "mxfp8", dim, mx_rounding=rounding)
+        assert_same(q, *reference_q(x, "mxfp8", {"mx_rounding": rounding}, dim), f"dim {dim}")
+
+
+def test_nan_stays_nan(backend):
+    """A NaN element quantizes to NaN and leaves the scale of its block to the other elements."""
+    _, device = backend
+    x = torch.randn(64, 96)
+    clean = x.clone()
+    x[3, 7] = x[40, 90] = float("nan")
+    clean[3, 7] = clean[40, 90] = 0.0
+    for name, opts in RECIPES:
+        for dim in (0, 1):
+            q = dropless.quantize(x.to(device), name, dim, **opts)
+            ref = dropless.quantize(clean.to(device), name, dim, **opts)
+            nan = torch.isnan(q.data.float())
+            assert nan[3, 7] and nan[40, 90] and int(nan.sum()) == 2, (name, dim)
+            assert torch.equal(raw(q.scale), raw(ref.scale)), (name, dim)
+            assert torch.equal(raw(q.data)[~nan], raw(ref.data)[~nan]), (name, dim)
+
+
+def test_infinities_match_reference(backend):
+    """An infinite element makes its block's scale infinite (fp32) or the largest (E8M0); the kernels and
+    the reference agree, NaN for NaN (whose sign bit may differ)."""
+    _, device = backend
+    x = torch.randn(64, 96)
+    x[3, 7], x[40, 90] = float("inf"), -float("inf")
+    for name, opts in RECIPES:
+        for dim in (0, 1):
+            q = dropless.quantize(x.to(device), name, dim, **opts)
+            data, scale = reference_q(x, name, opts, dim)
+            nan = torch.isnan(data.float())
+            assert torch.equal(torch.isnan(q.data.float()).cpu(), nan), (name, dim)
+            assert torch.equal(raw(q.data).cpu()[~nan], raw(data)[~nan]), (name, dim)
+            assert torch.equal(raw(q.scale).cpu(), raw(scale)), (name, dim)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The reference on its own: hand-computed cases, an independent exponent oracle, round trips
+
+
+def test_reference_hand_computed_scales():
+    amax = torch.tensor([1.0, 448.0, 449.0, 0.0, 480.0, 2.0**-130])
+    floor = reference.e8m0_exponent(amax, "floor").tolist()
+    rceil = reference.e8m0_exponent(amax, "rceil").tolist()
+    # floor(log2(1)) - 8 = -8; ceil(log2(1/448)) = ceil(-8.807) = -8; 448 -> 0 both ways; 449 -> rceil 1.
+    assert floor == [-8, 0, 0, -127, 0, -127]
+    assert rceil == [-8, 0, 1, -127, 1, -127]
+    assert reference.fp32_scale(torch.tensor([448.0, 896.0, 0.0]), False).tolist() == [1.0, 2.0, 1.0]
+    # 500 / 448 = 1.116 -> 2; 448 / 448 = 1 stays; a tiny amax gives a subnormal power of two, exactly.
+    pow2 = reference.fp32_scale(torch.tensor([500.0, 448.0, 448.0 * 2.0**-140]), True).tolist()
+    assert pow2 == [2.0, 1.0, 2.0**-140]
+
+
+def test_reference_mxfp8_bytes_by_hand():
+    x = torch.zeros(1, 64)
+    x[0, 0] = 1.0  # block 0: amax 1 -> exponent -8, byte 119; x / 2**-8 = 256
+    x[0, 1] = 17.0 * 2.0**-8  # 17 is a tie between 16 and 18: rounds to the even mantissa, 16
+    x[0, 2] = 19.0 * 2.0**-8  # 19 ties between 18 and 20: 20
+    x[0, 32] = 480.0  # block 1: floor gives 2**0 and 480 saturates to 448; rceil gives 2**1 and 240
+    q = reference.quantize(x, get_recipe("mxfp8"), 1)
+    assert raw(q[1]).tolist() == [[119, 127]]
+    assert q[0][0, :3].float().tolist() == [256.0, 16.0, 20.0]
+    assert q[0][0, 32].float().item() == 448.0
+    q = reference.quantize(x, get_recipe("mxfp8", mx_rounding="rceil"), 1)
+    assert raw(q[1]).tolist() == [[119, 128]] and q[0][0, 32].float().item() == 240.0
+
+
+def test_reference_fp32_saturation_and_exact_values():
+    x = torch.tensor([[448.0, -448.0, 1.0, 0.5, 17.0, 0.0]])
+    data, scale = reference.quantize(x, get_recipe("rowwise"), 1)
+    assert scale.item() == 1.0
+    assert data.float().tolist() == [[448.0, -448.0, 1.0, 0.5, 16.0, 0.0]]
+
+
+def _fp32_quotient(a: float) -> float:
+    """``a / 448`` rounded to fp32: the float64 quotient rounded again is correctly rounded (53 >= 2 * 24 + 2)."""
+    return torch.tensor(a / 448.0, dtype=torch.float64).float().item()
+
+
+def _oracle_exponent(a: float, rounding: str) -> int:
+    """The MX exponent from Python floats, where frexp is exact."""
+    value = a if rounding == "floor" else _fp32_quotient(a)
+    if value == 0.0:
+        return -127
+    mantissa, exponent = math.frexp(value)
+    e = exponent - 1 - 8 if rounding == "floor" else (exponent - 1 if mantissa == 0.5 else exponent)
+    return min(max(e, -127), 127)
+
+
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_reference_exponents_against_frexp_oracle(rounding):
+    amax = torch.cat([torch.rand(2000) * torch.exp2(torch.randint(-149, 128, (2000,)).float()),
+                      torch.tensor([0.0, 1e-45, 2.0**-127, 2.0**-126, 448.0 * 2.0**-127, 448.0 * 2.0**-126, 3.4e38])])
+    amax = amax[torch.isfinite(amax)]
+    got = reference.e8m0_exponent(amax, rounding).tolist()
+    assert got == [_oracle_exponent(a, rounding) for a in amax.tolist()]
+
+
+def test_reference_pow2_scales_against_frexp_oracle():
+    amax = torch.rand(2000) * torch.exp2(torch.randint(-149, 120, (2000,)).float())
+    got = reference.fp32_scale(amax, True).tolist()
+    for a, s in zip(amax.tolist(), got):
+        q = _fp32_quotient(a)
+        if q == 0.0:
+            assert s == 1.0
+        else:
+            mantissa, exponent = math.frexp(q)
+            assert s == 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("dim", [0, 1])
+def test_dequantize_round_trip(name, opts, dim):
+    """Each element comes back within e4m3's rounding: ``2**-4`` relative, or half a subnormal step
+    (``2**-10`` of its scale) for the smallest; mxfp8's floor scales may saturate a block's largest."""
+    x = torch.randn(160, 200) * torch.exp2(torch.randint(-8, 8, (160, 1)).float())
+    q = dropless.quantize(x, name, dim, **opts)
+    back = q.dequantize()
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    unit = reference.dequantize(QuantizedTensor(torch.ones_like(q.data), q.scale, q.recipe, q.dim))  # each scale
+    saturated = q.data.float().abs() == 448.0
+    err = (back - x).abs()
+    slack = 1 + 1e-6  # the fp32 division and the product of dequantization round too
+    ok = (err <= E4M3_STEP * x.abs() * slack) | (err <= unit * 2.0**-10 * slack) | saturated
+    assert bool(ok.all()), f"{int((~ok).sum())} elements off, worst {float(err[~ok].max())}"
+    assert torch.equal(back[saturated].abs(), 448.0 * unit[saturated])
+
+
+def test_dequantize_per_group_and_bf16():
+    sizes = [0, 50, 31, 0, 60]
+    x = torch.randn(150, 40)
+    for name in ("rowwise", "block128", "mxfp8"):
+        q = dropless.quantize(x, name, 0, offsets_of(sizes))
+        back = q.dequantize(torch.bfloat16)
+        assert back.dtype == torch.bfloat16
+        assert torch.allclose(back[:141].float(), x[:141], rtol=0.13, atol=1e-2)
+        assert not back[141:].any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The per-group layout
+
+
+@pytest.mark.parametrize("name", ["rowwise", "block128", "mxfp8"])
+def test_no_block_crosses_a_group_boundary(backend, name):
+    """Scaling one group's values changes that group's scales and no other group's data or scales."""
+    _, device = backend
+    sizes = [45, 0, 100, 37]
+    x = torch.randn(200, 40)
+    offsets = offsets_of(sizes, device)
+    q = dropless.quantize(x.to(device), name, 0, offsets)
+    x2 = x.clone()
+    x2[45:145] *= 1000.0  # group 2
+    q2 = dropless.quantize(x2.to(device), name, 0, offsets)
+    B = {"rowwise": None, "block128": 128, "mxfp8": 32}[name]
+    group2 = [2] if B is None else list(range(45 // B + 2, 45 // B + 2 + -(-100 // B)))
+    other = [r for r in range(q.scale.shape[0]) if r not in group2]
+    assert torch.equal(raw(q.scale)[other], raw(q2.scale)[other])
+    assert not torch.equal(raw(q.scale)[group2], raw(q2.scale)[group2])
+    rows = torch.cat([torch.arange(0, 45), torch.arange(145, 200)])
+    assert torch.equal(raw(q.data)[rows], raw(q2.data)[rows])
+
+
+def test_group_scale_rows_by_hand(backend):
+    """block128 groups of 100, 0, 200 rows in M = 320: group e's block j is scale row s_e // 128 + e + j;
+    the rows no block uses hold 1, the 20 rows past offsets[-1] are 0."""
+    _, device = backend
+    x = (torch.rand(320, 8) + 1.0).to(device)
+    x[0:100] *= 448.0 * 2  # group 0: amax in [896, 1792)
+    x[100:228] *= 448.0 * 4  # group 2, block 0
+    x[228:300] *= 448.0 * 8  # group 2, block 1
+    q = dropless.quantize(x, "block128", 0, torch.tensor([100, 100, 300], device=device))
+    assert q.scale.shape == (3 + 3, 8)
+    s = q.scale.cpu()
+    # Rows: 0 = group 0's block; 1 = group 1 (empty, unused); 2, 3 = group 2's blocks; 4, 5 unused.
+    assert bool(((s[0] > 2) & (s[0] <= 4)).all()) and bool(((s[2] > 4) & (s[2] <= 8)).all())
+    assert bool(((s[3] > 8) & (s[3] <= 16)).all())
+    assert torch.equal(s[[1, 4, 5]], torch.ones(3, 8))
+    assert not raw(q.data[300:]).any()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every element written: outputs poisoned before the kernels run
+
+POISON = {FP8_DTYPE: 0x7F, E8M0_DTYPE: 0xFF}  # NaN bytes
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    if t.element_size() == 1:
+        raw(t).fill_(POISON[t.dtype])
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("dim, sizes, M", [
+    (1, None, 77), (0, None, 77), (0, [0, 30, 0, 25], 77), (0, [0, 0], 0), (0, None, 0), (1, None, 0),
+])
+def test_kernels_write_every_element(name, opts, dim, sizes, M):
+    if sizes is not None and name == "block128x128":
+        pytest.skip("block128x128 has no per-group layout")
+    recipe = get_recipe(name, **opts)
+    x = planted((M, 40), torch.float32, KERNEL_DEVICE) if M else torch.empty(0, 40, device=KERNEL_DEVICE)
+    offsets = None if sizes is None else offsets_of(sizes, KERNEL_DEVICE)
+    data, scale = empty_quantized(x.shape, recipe, dim, None if sizes is None else len(sizes), KERNEL_DEVICE)
+    quantize_along(x, poison(data), poison(scale), recipe, dim, offsets)
+    assert_same(QuantizedTensor(data, scale, recipe, dim), *reference.quantize(x.cpu(), recipe, dim, offsets))
+
+
+@pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
+@pytest.mark.parametrize("E, K, N", [(2, 70, 33), (1, 0, 16), (2, 16, 0)])
+def test_weight_kernel_writes_every_element(name, opts, E, K, N):
+    recipe = get_recipe("block128x128" if name == "block128" else name, **opts)
+    w = make_w(E, K, N, torch.float32, KERNEL_DEVICE)
+    data_k, scale_k = (poison(t) for t in empty_quantized(w.shape, recipe, 1, None, KERNEL_DEVICE))
+    data_n, scale_n = (poison(t) for t in empty_quantized(w.shape, recipe, 2, None, KERNEL_DEVICE))
+    quantize_weight_3d(w, data_k, data_n, scale_k, scale_k if recipe.tile else scale_n, recipe)
+    assert_same(QuantizedTensor(data_k, scale_k, recipe, 1), *reference.quantize(w.cpu(), recipe, 1))
+    assert_same(QuantizedTensor(data_n, scale_k if recipe.tile else scale_n, recipe, 2),
+                *reference.quantize(w.cpu(), recipe, 2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument errors
+
+
+def test_bad_arguments():
+    x = torch.randn(16, 32)
+    offsets = torch.tensor([8, 16], dtype=torch.int32)
+    cases = [
+        (ValueError, r"^recipe must be one of", lambda: dropless.quantize(x, "fp4")),
+        (ValueError, r"^recipe must be one of", lambda: dropless.quantize(x, dropless.Recipe("rowwise", 64))),
+        (TypeError, r"^x must be a torch.Tensor", lambda: dropless.quantize(x.tolist(), "rowwise")),
+        (TypeError, r"^x must be a floating tensor", lambda: dropless.quantize(x.to(torch.int32), "rowwise")),
+        (TypeError, r"^x must be a floating tensor", lambda: dropless.quantize(x.double(), "rowwise")),
+        (ValueError, r"^x must have 2 or 3 dimensions", lambda: dropless.quantize(x[0], "rowwise")),
+        (ValueError, r"^dim must be an int in \[-2, 2\)", lambda: dropless.quantize(x, "rowwise", 2)),
+        (ValueError, r"^dim must be 1 or 2", lambda: dropless.quantize(x.view(2, 8, 32), "rowwise", 0)),
+        (ValueError, r"^offsets need a 2D x quantized along dim 0",
+         lambda: dropless.quantize(x, "rowwise", 1, offsets)),
+        (ValueError, r"^offsets need a 2D x", lambda: dropless.quantize(x.view(2, 8, 32), "rowwise", 1, offsets)),
+        (ValueError, r"^offsets must have shape \[E\]", lambda: dropless.quantize(x, "rowwise", 0, offsets.view(1, 2))),
+        (TypeError, r"^offsets must be int32 or int64", lambda: dropless.quantize(x, "rowwise", 0, offsets.float())),
+        (TypeError, r"^offsets must be a torch.Tensor", lambda: dropless.quantize(x, "rowwise", 0, [8, 16])),
+        (ValueError, r"^recipe block128x128 cannot restart", lambda: dropless.quantize(x, "block128x128", 0, offsets)),
+        (ValueError, r"^mx_rounding applies to the mxfp8 recipe only",
+         lambda: dropless.quantize(x, "rowwise", mx_rounding="rceil")),
+        (ValueError, r"^mx_rounding must be one of", lambda: dropless.quantize(x, "mxfp8", mx_rounding="up")),
+        (ValueError, r"^pow2 applies to the fp32-scaled recipes", lambda: dropless.quantize(x, "mxfp8", pow2=True)),
+        (ValueError, r"^w must have 3 dimensions", lambda: dropless.quantize_weight(x, "mxfp8")),
+        (TypeError, r"^w must be a floating tensor",
+         lambda: dropless.quantize_weight(torch.zeros(2, 8, 32, dtype=torch.int32), "mxfp8")),
+    ]
+    for error, match, call in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_offsets_on_another_device_is_an_error():
+    if not CUDA:
+        pytest.skip("needs a second device")
+    with pytest.raises(ValueError, match=r"^offsets is on"):
+        dropless.quantize(torch.randn(8, 8, device="cuda"), "rowwise", 0, torch.tensor([8]))
+
+
+def test_check_quantized_errors():
+    q = dropless.quantize(torch.randn(64, 96), "mxfp8", 0, offsets_of([30, 20]))
+    check_quantized("x", q, ndim=2, dim=0)
+
+    def with_(**changes):
+        return QuantizedTensor(**{**vars(q), **changes})
+
+    cases = [
+        (TypeError, r"^x must be a dropless.QuantizedTensor", q.data),
+        (TypeError, r"^x.data must be float8_e4m3fn", with_(data=q.data.float())),
+        (TypeError, r"^x.scale must be torch.float8_e8m0fnu", with_(scale=q.scale.float())),
+        (ValueError, r"^x.scale must have shape \[4, 96\]", with_(scale=q.scale[:3])),
+        (ValueError, r"^x.data must have unit stride along its quantized dim 0", with_(data=q.data.contiguous())),
+        (ValueError, r"^x.recipe must be one of", with_(recipe=dropless.Recipe("mxfp8", 16))),
+        (ValueError, r"^x has offsets, which need 2D data quantized along dim 0",
+         with_(dim=1, data=q.data.contiguous())),
+        (ValueError, r"^x.offsets must be int32/int64", with_(offsets=q.offsets.float())),
+    ]
+    for error, match, bad in cases:
+        with pytest.raises(error, match=match):
+            check_quantized("x", bad)
+    with pytest.raises(ValueError, match=r"^x must be quantized along dim 1"):
+        check_quantized("x", q, dim=1)
+    with pytest.raises(ValueError, match=r"^x must have 3 dimensions"):
+        check_quantized("x", q, ndim=3)
+    rowwise = dropless.quantize(torch.randn(8, 16), "rowwise")
+    with pytest.raises(ValueError, match=r"^y.scale must have shape \[8, 1\]"):
+        check_quantized("y", QuantizedTensor(rowwise.data, rowwise.scale.view(1, 8), rowwise.recipe, 1))
+
+
+def test_triton_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dropless.set_backend("triton")
+    with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor"):
+        dropless.quantize(torch.randn(4, 4), "rowwise")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The swizzled MX scale layout (cuBLAS's "1D block scaling factors layout")
+
+
+def blocked_by_formula(scale: torch.Tensor) -> torch.Tensor:
+    """Scale ``(r, c)`` at ``tile * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4`` of the flat layout,
+    tiles of 128x4 in row-major order, zeros where padded."""
+    rows, cols = scale.shape
+    col_tiles = -(-cols // 4)
+    flat = torch.zeros(-(-rows // 128) * 128 * col_tiles * 4, dtype=raw(scale).dtype)
+    for r in range(rows):
+        for c in range(cols):
+            tile = (r // 128) * col_tiles + c // 4
+            flat[tile * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4] = raw(scale)[r, c]
+    return flat
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (130, 5), (256, 8), (77, 12)])
+def test_to_blocked_against_index_formula(rows, cols):
+    e8m0 = torch.randint(1, 255, (rows, cols), dtype=torch.uint8).view(E8M0_DTYPE)
+    blocked = reference.to_blocked(e8m0)
+    assert blocked.dtype == E8M0_DTYPE and torch.equal(raw(blocked), blocked_by_formula(e8m0))
+    fp32 = torch.rand(rows, cols) + 1.0
+    assert torch.equal(reference.to_blocked(fp32), blocked_by_formula(fp32))
+
+
+def test_blocked_scale():
+    q = dropless.quantize(torch.randn(200, 96), "mxfp8", 1)
+    assert torch.equal(raw(q.blocked_scale()), raw(reference.to_blocked(q.scale)))
+    with pytest.raises(ValueError, match="blocked_scale needs a 2D mxfp8 QuantizedTensor"):
+        dropless.quantize(torch.randn(200, 96), "mxfp8", 0).blocked_scale()
+    with pytest.raises(ValueError, match="blocked_scale needs a 2D mxfp8 QuantizedTensor"):
+        dropless.quantize(torch.randn(200, 96), "block128", 1).blocked_scale()
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.compile and host syncs
+
+
+@pytest.mark.slow
+def test_compile_fullgraph(reference_backend):
+    torch._dynamo.reset()
+
+    def f(x, offsets, w):
+        q = dropless.quantize(x, "mxfp8", 0, offsets)
+        wk, wn = dropless.quantize_weight(w, "block128")
+        return q.data.float().sum() + q.scale.float().sum() + wk.data.float().sum() + wn.scale.sum()
+
+    x, offsets, w = torch.randn(100, 64), offsets_of([40, 0, 50]), make_w(2, 64, 48, torch.float32, "cpu")
+    assert torch.equal(torch.compile(f, fullgraph=True)(x, offsets, w), f(x, offsets, w))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_no_host_sync_on_gpu():
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 768, 512, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    offsets = offsets_of([1000, 0, 2500, 500], "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name in ("rowwise", "block128", "mxfp8"):
+            dropless.quantize(x, name, 1)
+            dropless.quantize(x, name, 0, offsets)
+            dropless.quantize_weight(w, name)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
