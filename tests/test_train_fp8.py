@@ -1,9 +1,10 @@
 """dropless train with FP8 experts: the loss curve of ``--fp8`` follows the BF16 one from the same seed.
 
-Tolerance: the noise of this setup itself, measured in the same test as the largest gap between the
-loss curves of two BF16 runs that differ only in their seed, over the second half of training (where
-both have left the initial plateau). The FP8 run, from the BF16 run's seed, must stay within that
-gap of it at every logged step there. On the CPU the model computes in fp32 and the experts' GEMMs in
+Tolerance: the noise of this setup itself, measured in the same test. The figure compared is the mean
+logged loss over the second half of training (where the curves have left the initial plateau; single
+points move with each batch). Two more BF16 runs that differ only in their seed give the noise: the
+largest gap between their figure and the first BF16 run's. The FP8 run, from the first run's seed,
+must be within that gap of it. On the CPU the model computes in fp32 and the experts' GEMMs in
 FP8 through the reference quantizer; on a GPU under bf16 autocast through the kernels.
 """
 
@@ -41,10 +42,14 @@ def test_fp8_rowwise_loss_follows_bf16(tmp_path, device):
     random_text(tmp_path / "text.txt", 3000)
     steps = 60 if device == "cpu" else 150
     bf16 = _losses(tmp_path, "bf16", device, None, seed=0, steps=steps)
-    other_seed = _losses(tmp_path, "seed1", device, None, seed=1, steps=steps)
     fp8 = _losses(tmp_path, "fp8", device, "rowwise", seed=0, steps=steps)
     half = len(bf16) // 2
-    noise = max(abs(a - b) for a, b in zip(bf16[half:], other_seed[half:]))
-    gap = max(abs(a - b) for a, b in zip(bf16[half:], fp8[half:]))
+
+    def late(curve: list[float]) -> float:
+        return sum(curve[half:]) / len(curve[half:])
+
+    noise = max(abs(late(_losses(tmp_path, f"seed{seed}", device, None, seed=seed, steps=steps)) - late(bf16))
+                for seed in (1, 2))
+    gap = abs(late(fp8) - late(bf16))
     assert fp8[-1] < 0.8 * fp8[0], fp8
-    assert gap <= noise, f"FP8 strays {gap:.3f} from BF16; two BF16 seeds differ by up to {noise:.3f}"
+    assert gap <= noise, f"FP8's late mean loss is {gap:.3f} from BF16's; other BF16 seeds are up to {noise:.3f} away"
