@@ -232,3 +232,73 @@ def test_fp8_needs_fp8_tensor_cores(monkeypatch):
     w = torch.randn(2, 32, 16, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="FP8 tensor cores"):
         dropless.grouped_mm(x, w, torch.tensor([8, 16], device="cuda", dtype=torch.int32), recipe="rowwise")
+
+
+@pytest.mark.slow
+def test_compile_fullgraph():
+    """torch.compile traces the FP8 forward and backward (quantization and products are custom ops with
+    fake implementations) and gives the eager result."""
+    torch._dynamo.reset()
+    dropless.set_backend("reference")
+    sizes, M = [20, 0, 37], 64
+    x, w, dy, offsets = _problem(sizes, M, 64, 32, torch.device("cpu"))
+
+    def step(x, w):
+        y = dropless.grouped_mm(x, w, offsets, recipe="rowwise")
+        return (y * dy).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    compiled(x1, w1).backward()
+    step(x2, w2).backward()
+    assert _rel(x1.grad[:57], x2.grad[:57]) < 1e-6
+    assert _rel(w1.grad, w2.grad) < 1e-6
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@GPU
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_no_host_sync_and_cuda_graph_replay(recipe):
+    """A GroupedLinear step in FP8 (weight cache, quantization, the three products, main_grad) runs with
+    host syncs forbidden, and a CUDA graph of it replays right with new group sizes and new weights."""
+    E, K, N, M = 8, 512, 768, 2048
+    layer = dropless.GroupedLinear(E, K, N, recipe=recipe, device="cuda", dtype=torch.bfloat16,
+                                   fuse_wgrad_accumulation=True)
+    sizes = torch.tensor([300, 0, 511, 17, 700, 1, 0, 400], device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    layer(x, sizes).backward(dy)  # warm-up: compilation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x, sizes).backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, sizes).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        y = layer(x, sizes)
+        y.backward(dy)
+    for new_sizes in ([0, 1000, 0, 0, 48, 900, 100, 0], [256] * 8):
+        sizes.copy_(torch.tensor(new_sizes))
+        with torch.no_grad():
+            layer.weight.add_(0.01 * torch.randn_like(layer.weight))  # the graph requantizes every replay
+            x.copy_(torch.randn_like(x))
+        layer.weight.main_grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        offsets = sizes.cumsum(0).to(torch.int32)
+        ref = dropless.grouped_mm(x.detach(), layer.weight.detach().transpose(1, 2), offsets, recipe=recipe)
+        assert _rel(y.float(), ref.float()) < 1e-2, new_sizes
+        expected = dropless.grouped_mm_wgrad(x.detach(), dy, offsets, recipe=recipe).float()
+        assert _rel(layer.weight.main_grad.transpose(1, 2), expected) < 1e-2, new_sizes

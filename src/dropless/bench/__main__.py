@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dropless.bench import moe_report
 from dropless.bench.environment import device_name, slug
-from dropless.bench.fp8 import Fp8Options, format_fp8_table, run_fp8
+from dropless.bench.fp8 import Fp8Options, format_fp8_table, format_quantization_table, run_fp8
 from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.merge import merge_results
@@ -130,7 +130,8 @@ def _fp8(args: argparse.Namespace) -> int:
     opts = Fp8Options(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(FP8_METHODS),
                       **_run_options(args))
-    return _run(args, "fp8", lambda: run_fp8(opts), opts, plot, lambda result: [format_fp8_table(result)])
+    return _run(args, "fp8", lambda: run_fp8(opts), opts, plot,
+                lambda result: [format_quantization_table(result), format_fp8_table(result)])
 
 
 def _moe(args: argparse.Namespace) -> int:

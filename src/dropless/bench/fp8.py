@@ -16,13 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
+import dropless
 from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.report import index_rows
+from dropless.bench.routing import group_sizes
+from dropless.bench.shapes import select_shapes
 from dropless.bench.timing import median_ms
+from dropless.quantized import GEMM_RECIPES, get_recipe, operand_recipes
 
 FP8_TOLERANCE = 0.1  # relative Frobenius error (SQNR 20 dB); e4m3 with good scales gives ~0.035 (29 dB)
 ALIGN = 16
+# Expert weights of the quantization rows: E experts of [K, N] = Qwen3-30B-A3B's gate+up projection, in
+# nn.Linear storage; E as many as DeepSeek-V3 has in all.
+WEIGHT_EXPERTS = (8, 32, 128, 256)
+WEIGHT_SHAPE = (2048, 1536)
+QUICK_WEIGHT_EXPERTS = (2, 4)
+QUICK_WEIGHT_SHAPE = (64, 96)
 # Bytes per element of an FP8 copy's scales: one fp32 per row (about nothing), per 128, or one byte per 32.
 _SCALE_BYTES = {"rowwise": 0.0, "block128": 4 / 128, "mxfp8": 1 / 32}
 
@@ -71,14 +81,76 @@ def hbm_gbps(device: torch.device, warmup: float, rep: float) -> float | None:
 
 
 def run_fp8(opts: Fp8Options, log: Callable[[str], None] | None = None) -> dict:
-    """Run the benchmark; the GEMM benchmark's result with the FP8 keys added to every row and
-    ``hbm_gbps`` to the meta."""
+    """Run the benchmark; the GEMM benchmark's result with the FP8 keys added to every row,
+    ``hbm_gbps`` to the meta, and the quantization kernels' rows as ``quantization``."""
     result = run_gemm(opts) if log is None else run_gemm(opts, log)
     bandwidth = hbm_gbps(opts.device, opts.warmup, opts.rep)
     result["meta"]["hbm_gbps"] = bandwidth
     result["meta"]["fp8_tolerance"] = FP8_TOLERANCE
     add_fp8_keys(result["rows"], bandwidth)
+    result["quantization"] = quantization_rows(opts, bandwidth)
     return result
+
+
+def _quantization_row(opts: Fp8Options, bandwidth: float | None, run: Callable[[], object], elements: int,
+                      copies: int, recipe: str, **keys: object) -> dict:
+    """One timed quantization: its least bytes (the bf16 input read once, ``copies`` FP8 copies and their
+    scales written) over its median time, and that over the measured bandwidth."""
+    ms = median_ms(run, opts.device, opts.warmup, opts.rep)
+    scale_bytes = _SCALE_BYTES["block128" if recipe == "block128x128" else recipe]
+    moved = elements * (2 + copies * (1 + scale_bytes))
+    gbps = moved / ms / 1e6
+    return {**keys, "recipe": recipe, "ms": ms, "bytes": moved, "gbps": gbps,
+            "ratio_to_hbm": gbps / bandwidth if bandwidth else None}
+
+
+def quantization_rows(opts: Fp8Options, bandwidth: float | None) -> list[dict]:
+    """The quantization kernels on their own: 3D expert weights (both orientations in one call) for each
+    weight recipe at every E of ``WEIGHT_EXPERTS``, and each shape's activations along K and, per
+    group, along the tokens, for each activation recipe and routing."""
+    rows = []
+    K, N = QUICK_WEIGHT_SHAPE if opts.quick else WEIGHT_SHAPE
+    for name in GEMM_RECIPES:
+        recipe = operand_recipes(get_recipe(name))[1]
+        for E in QUICK_WEIGHT_EXPERTS if opts.quick else WEIGHT_EXPERTS:
+            w = torch.randn(E, N, K, device=opts.device, dtype=opts.dtype).transpose(1, 2)
+            rows.append(_quantization_row(opts, bandwidth, lambda: dropless.quantize_weight(w, recipe), w.numel(), 2,
+                                          recipe.name, operand="weight", E=E, K=K, N=N))
+            del w
+    for shape in select_shapes(opts.shapes, opts.quick):
+        x = torch.randn(shape.M, shape.K, device=opts.device, dtype=opts.dtype)
+        for routing in opts.routings:
+            sizes = group_sizes(shape.E, shape.M, routing, opts.seed, opts.align)
+            offsets = torch.tensor(sizes, device=opts.device).cumsum(0).to(torch.int32)
+            for name in GEMM_RECIPES:
+                keys = dict(operand="activation", shape=shape.name, E=shape.E, M=shape.M, K=shape.K, routing=routing)
+                rows.append(_quantization_row(opts, bandwidth, lambda: dropless.quantize(x, name, dim=1), x.numel(),
+                                              1, name, dim=1, **keys))
+                rows.append(_quantization_row(opts, bandwidth,
+                                              lambda: dropless.quantize(x, name, dim=0, offsets=offsets),
+                                              x.numel(), 1, name, dim=0, **keys))
+        del x
+    return rows
+
+
+def format_quantization_table(result: dict) -> str:
+    """Per recipe: the weights' GB/s (share of the bandwidth) at each E and the spread of time per byte
+    over E; then the activations' range of GB/s along K and along the tokens."""
+    rows = result.get("quantization", [])
+    lines = ["Quantization, GB/s (share of HBM); weights: both orientations in one call",
+             "| recipe | weights by E | time/byte max/min over E | activations along K | along tokens |",
+             "|---|---|---|---|---|"]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows if r["operand"] == "weight"):
+        weights = [r for r in rows if r["operand"] == "weight" and r["recipe"] == recipe]
+        acts = [r for r in rows if r["operand"] == "activation" and r["recipe"] == recipe.replace("block128x128",
+                                                                                               "block128")]
+        per_byte = [r["ms"] / r["bytes"] for r in weights]
+        cells = ", ".join(f"{r['E']}: {r['gbps']:.0f}" + (f" ({r['ratio_to_hbm']:.2f})" if r["ratio_to_hbm"] else "")
+                          for r in weights)
+        along = {dim: [r["gbps"] for r in acts if r["dim"] == dim] for dim in (1, 0)}
+        spans = [f"{min(v):.0f}-{max(v):.0f}" if v else "-" for v in along.values()]
+        lines.append(f"| {recipe} | {cells} | {max(per_byte) / min(per_byte):.2f} | {spans[0]} | {spans[1]} |")
+    return "\n".join(lines)
 
 
 def add_fp8_keys(rows: list[dict], bandwidth: float | None) -> None:

@@ -70,14 +70,23 @@ class TorchScaledGroupedMM(Method):
                                         offs=self.p.offsets, out_dtype=torch.bfloat16)
 
     def _wgrad(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a_e^T b_e`` per group, each operand quantized along the tokens with one scale per group."""
-        sizes = self.p.sizes
-        aq, sa = zip(*(_rowwise(part, 0) for part in a.split(sizes)))
-        bq, sb = zip(*(_rowwise(part, 0) for part in b.split(sizes)))
-        at = torch.cat(aq).t().contiguous()
-        bt = torch.cat(bq).t().contiguous()
-        return torch._scaled_grouped_mm(at, bt.t(), torch.cat(sa).reshape(-1), torch.cat(sb).reshape(-1),
-                                        offs=self.p.offsets, out_dtype=torch.bfloat16)
+        """``a_e^T b_e`` per group, each operand quantized along the tokens with one scale per group and
+        column (a segmented amax on the device; empty groups get scale 1)."""
+        at, sa = self._per_group(a)
+        bt, sb = self._per_group(b)
+        return torch._scaled_grouped_mm(at, bt.t(), sa.reshape(-1), sb.reshape(-1), offs=self.p.offsets,
+                                        out_dtype=torch.bfloat16)
+
+    def _per_group(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t [M, D]`` quantized per group along the tokens: ``t^T`` in FP8 ``[D, M]`` and scales ``[E, D]``."""
+        offsets = self.p.offsets
+        groups = torch.searchsorted(offsets, torch.arange(t.shape[0], device=t.device, dtype=offsets.dtype),
+                                    right=True).clamp(max=offsets.shape[0] - 1)
+        amax = torch.zeros(offsets.shape[0], t.shape[1], device=t.device).scatter_reduce_(
+            0, groups[:, None].expand(-1, t.shape[1]), t.abs().float(), "amax")
+        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        data = (t.float() / scale[groups]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return data.t().contiguous(), scale
 
     def case(self, pass_: str) -> Case:
         product = _differentiable(self._mm, self._wgrad) if pass_ == "fwd+bwd" else self._mm

@@ -120,11 +120,13 @@ def format_summary(rows: Sequence[dict]) -> str:
 
 
 def write_json(result: dict, path: Path) -> None:
-    """``{"meta": {...}, "rows": [...]}`` with one row per line, so committed results diff by row."""
+    """``{"meta": {...}, "rows": [...]}`` (and any other list of rows the result holds, such as the FP8
+    benchmark's ``quantization``) with one row per line, so committed results diff by row."""
     meta = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in result["meta"].items())
-    rows = ",\n".join(f"  {json.dumps(r)}" for r in result["rows"])
+    lists = "".join(f',\n {json.dumps(key)}: [\n' + ",\n".join(f"  {json.dumps(r)}" for r in rows) + "\n ]"
+                    for key, rows in result.items() if key != "meta")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'{{\n "meta": {{\n{meta}\n }},\n "rows": [\n{rows}\n ]\n}}\n')
+    path.write_text(f'{{\n "meta": {{\n{meta}\n }}{lists}\n}}\n')
 
 
 def read_json(path: Path) -> dict:

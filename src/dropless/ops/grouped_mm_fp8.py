@@ -219,17 +219,18 @@ def fp8_grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | Quantize
         if isinstance(x, QuantizedTensor):
             check_quantized_operand("x", x, recipe, act, 2, 1, grouped=False)
         else:
-            x = quantize(x, act, dim=1)
+            x = quantize(x.detach(), act, dim=1)
         if isinstance(w, QuantizedTensor):
             check_quantized_operand("w", w, recipe, weights, 3, 1, grouped=False)
             wk = w
         else:
-            wk = w_quantized[0] if w_quantized is not None else quantize_weight(w, weights)[0]
+            wk = w_quantized[0] if w_quantized is not None else quantize_weight(w.detach(), weights)[0]
         if wk.shape[1] != x.shape[1]:
             raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(wk.shape)}")
         return quantized_mm(x, wk, offsets, recipe, out_dtype)
     if w_quantized is None:
-        w_quantized = quantize_weight(w, weights)
+        # Quantization is not differentiated through: the product's backward gives w its gradient.
+        w_quantized = quantize_weight(w.detach(), weights)
     else:
         check_weight_pair(w_quantized, w, recipe, weights)
     wk, wn = w_quantized
@@ -262,5 +263,5 @@ def fp8_grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | Q
             check_quantized_operand(name, t, recipe, act, 2, 0, grouped=True)
             operands.append(t)
         else:
-            operands.append(quantize(t, act, dim=0, offsets=offsets))
+            operands.append(quantize(t.detach(), act, dim=0, offsets=offsets))
     return quantized_wgrad(operands[0], operands[1], offsets, recipe, out, flags, accumulate, out_dtype)
