@@ -139,6 +139,13 @@ def bounds_of(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def data_rows_of(sizes: Sequence[int], M: int) -> tuple[list[int], int]:
+    """``([p_e], Mp)`` of data quantized per group along the tokens, as ``dropless.quantized`` lays it out
+    (written out here, not taken from the library): group e's first row ``p_e = 16 * (s_e // 16 + e)``
+    and the rows ``Mp = 16 * (cdiv(M, 16) + E)``."""
+    return [16 * (start // 16 + e) for e, (start, _) in enumerate(bounds_of(sizes))], 16 * (-(-M // 16) + len(sizes))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Operands in the layouts the API accepts
 

@@ -1,17 +1,26 @@
 """dropless.ops.activation: swiglu and geglu on the fused gate+up layout ``h [M, 2F]``, forward and
 backward, on the reference backend and on the Triton kernel (the interpreter on CPU), against the torch
-expression ``act(gate) * up`` in fp64 and its autograd; the launchers on NaN-poisoned outputs."""
+expression ``act(gate) * up`` in fp64 and its autograd; the launchers on NaN-poisoned outputs. With a
+recipe, the FP8 copy of ``a`` against ``dropless.quantize(a)`` bit for bit, ``a`` and the gradient
+unchanged."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_DEVICE, REL_TOL, assert_close
+from conftest import INTERPRETING, KERNEL_DEVICE, REL_TOL, assert_close
 
+import dropless
 from dropless import reference
-from dropless.kernels.swiglu import glu_backward, glu_forward
+from dropless.kernels import swiglu as swiglu_kernels
+from dropless.kernels.swiglu import glu_backward, glu_forward, glu_forward_quantized
 from dropless.ops.activation import geglu, swiglu
+from dropless.ops.grouped_mm_fp8 import resolve_recipe
+from dropless.ops.quantize import empty_quantized
+from dropless.quantized import E8M0_DTYPE, FP8_DTYPE, QuantizedTensor, Recipe
 
 # Saturated gates make the interpreter's exp overflow to inf, on purpose (sigmoid then rounds to 0).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -240,3 +249,194 @@ def test_compile_forward_backward(reference_backend):
     expected.backward()
     assert_close(loss, expected.detach(), torch.float64, "loss")
     assert_close(h.grad, h64.grad, torch.float64, "dh")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The FP8 copy of a (recipe=): dropless.quantize(a, recipe, dim=-1) bit for bit, from the same kernel
+
+# Every option the kernel specializes on: "mxfp8" by name resolves to rceil scales, as the GEMMs take it.
+QUANT_RECIPES = {
+    "rowwise": "rowwise",
+    "rowwise-pow2": Recipe("rowwise", None, pow2=True),
+    "block128": "block128",
+    "block128-pow2": Recipe("block128", 128, pow2=True),
+    "mxfp8": "mxfp8",
+    "mxfp8-floor": Recipe("mxfp8", 32),
+}
+# F: not a multiple of 32 or 128, and wider than one 256-column tile; rows over many row blocks.
+QUANT_SHAPES = [(300, 100), (70, 300), (1, 1), (5, 0), (0, 7)]
+POISON = {FP8_DTYPE: 0x7F, E8M0_DTYPE: 0xFF}  # NaN bytes
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """One-byte tensors (FP8 data, E8M0 scales) as their bytes, so that comparisons are bitwise."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor as integers of its width: equal bits, NaN included."""
+    return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_fp8(q: QuantizedTensor, data: torch.Tensor, scale: torch.Tensor, what: str = "") -> None:
+    """``q`` holds ``(data, scale)``: the same bytes (NaN for NaN: its sign bit may differ between the
+    kernels and the reference), shapes and layout."""
+    assert q.data.dtype == FP8_DTYPE and q.data.shape == data.shape and q.scale.shape == scale.shape, what
+    assert q.data.is_contiguous() and q.scale.is_contiguous() and q.scale.dtype == scale.dtype, what
+    nan = torch.isnan(data.float()).cpu()
+    assert torch.equal(torch.isnan(q.data.float()).cpu(), nan), f"{what}: NaN elements differ"
+    bad = raw(q.data).cpu()[~nan] != raw(data).cpu()[~nan]
+    assert not bad.any(), f"{what}: {int(bad.sum())} data bytes differ"
+    bad = raw(q.scale).cpu() != raw(scale).cpu()
+    assert not bad.any(), f"{what}: {int(bad.sum())} scales differ, first at {bad.nonzero()[0].tolist()}"
+
+
+def check_quantized_copy(op, h: torch.Tensor, recipe, what: str = "") -> tuple[torch.Tensor, QuantizedTensor]:
+    """``op(h, recipe=recipe)`` against ``op(h)`` (a, the same bits) and ``dropless.quantize(a)`` on the
+    backend in force and on the reference (the copy, the same bits)."""
+    a, q = op(h, recipe=recipe)
+    assert torch.equal(bits(a), bits(op(h))), f"{what}: a differs from the activation without a recipe"
+    act = resolve_recipe(recipe)
+    assert q.recipe == act and q.dim == 1 and q.offsets is None, what
+    expected = dropless.quantize(a.detach(), act, dim=-1)
+    assert_same_fp8(q, expected.data, expected.scale, what)
+    assert_same_fp8(q, *reference.quantize(a.detach().cpu(), act, 1), f"{what} (reference)")
+    return a, q
+
+
+@pytest.mark.parametrize("M, Fh", QUANT_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES))
+def test_quantized_copy_is_quantize_of_a(recipe, dtype, M, Fh, backend):
+    _, device = backend
+    for activation, op in OPS.items():
+        check_quantized_copy(op, make_h(M, Fh, dtype, device), QUANT_RECIPES[recipe], activation)
+
+
+def extreme_h(M: int, Fh: int, dtype: torch.dtype, subnormals: bool = True) -> torch.Tensor:
+    """``h [M, 2F]`` whose rows of a span the dtype's range: a row per decade from huge down to the
+    subnormals (or, without ``subnormals``, to just above the smallest normal number), with gates in
+    (1, 4), where act is about the gate, and ``|up|`` in [0.5, 1.5) times the row's power of two; a zero
+    row, rows with one outlier, a NaN or an infinity, and a row of saturated gates."""
+    finfo = torch.finfo(dtype)
+    # act(gate) < 2**2 and |up| < 2**1: the top row stays finite; |a| > 2**-2 |up's power of two|.
+    top = math.log2(finfo.max) - 4
+    bottom = math.log2(finfo.smallest_normal) + (-4 if subnormals else 3)
+    gate = 1 + 3 * torch.rand(M, Fh)
+    magnitude = (0.5 + torch.rand(M, Fh)) * torch.exp2(torch.linspace(top, bottom, M).round())[:, None]
+    up = torch.where(torch.rand(M, Fh) < 0.5, -magnitude, magnitude)
+    up[M // 2] = 0.0
+    up[1, Fh // 3] = finfo.max / 8  # an outlier among the row's huge values
+    up[M - 2, Fh // 2] = 1.0  # one among the tiniest
+    up[3, 1] = float("nan")
+    up[4, 2] = float("inf")
+    gate[5, :] = -100.0  # act underflows: sigmoid(-100) is about 4e-44, times the row's huge up
+    return torch.cat([gate, up], dim=1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES))
+def test_quantized_copy_of_huge_and_tiny_rows(recipe, dtype, backend):
+    """Down to the subnormals, except for bf16 under the interpreter: triton 3.6's interpreter converts
+    bf16 subnormals to and from fp32 wrongly (its ``_convert_float`` clamps their exponent), which a GPU
+    does not; there the rows stop just above bf16's smallest normal number."""
+    name, device = backend
+    subnormals = not (INTERPRETING and name == "triton" and dtype == torch.bfloat16)
+    h = extreme_h(40, 70, dtype, subnormals).to(device)
+    a, q = check_quantized_copy(swiglu, h, QUANT_RECIPES[recipe])
+    last = a.detach().float().abs()[-1]
+    smallest_normal = torch.finfo(dtype).smallest_normal
+    assert bool((last > 0).all()) and (last.max() < smallest_normal) == subnormals, \
+        "the last row must reach the dtype's subnormals (or stop just above them)"
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-pow2"])
+def test_rowwise_rows_wider_than_a_tile(recipe, triton_backend, monkeypatch):
+    """Rows wider than one tile walk F twice (a, then its FP8 copy from a read back): at the real step,
+    and at a step of 32 columns over many rows, ending mid-step."""
+    h = make_h(3, 4100, torch.bfloat16, triton_backend)
+    check_quantized_copy(swiglu, h, QUANT_RECIPES[recipe], "F=4100")
+    monkeypatch.setattr(swiglu_kernels, "_MAX_ROW_BLOCK_F", 32)
+    for layout in ("contiguous", "wide"):
+        h = make_h(300, 100, torch.bfloat16, triton_backend, layout)
+        check_quantized_copy(geglu, h, QUANT_RECIPES[recipe], f"step 32 {layout}")
+    h = extreme_h(40, 70, torch.float32).to(triton_backend)
+    check_quantized_copy(swiglu, h, QUANT_RECIPES[recipe], "step 32, extremes")
+
+
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES))
+def test_quantized_copy_keeps_the_backward(recipe, backend):
+    """The gradient of h is that of the activation without a recipe, bit for bit; the copy has none."""
+    _, device = backend
+    for activation, op in OPS.items():
+        h = make_h(70, 100, torch.bfloat16, device)
+        da = torch.randn(70, 100, dtype=torch.bfloat16, device=device)
+        h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+        a, q = op(h1, recipe=QUANT_RECIPES[recipe])
+        assert a.requires_grad and not q.data.requires_grad and not q.scale.requires_grad
+        a.backward(da)
+        op(h2).backward(da)
+        assert torch.equal(h1.grad, h2.grad), activation
+        with torch.no_grad():
+            a, q = op(h, recipe=QUANT_RECIPES[recipe])
+        assert not a.requires_grad
+
+
+@pytest.mark.parametrize("M, Fh", [(1, 1), (7, 3), (300, 100), (70, 300), (5, 0)])
+@pytest.mark.parametrize("recipe", list(QUANT_RECIPES))
+def test_quantized_launcher_writes_every_element(recipe, M, Fh):
+    """a inside a larger NaN buffer, data and scale poisoned with NaN bytes: every element written, and
+    nothing outside a."""
+    r = resolve_recipe(QUANT_RECIPES[recipe])
+    for activation in OPS:
+        h = make_h(M, Fh, torch.bfloat16, KERNEL_DEVICE, "wide")
+        big_a, a, window = _padded(M, Fh, torch.bfloat16)
+        data, scale = empty_quantized((M, Fh), r, 1, None, KERNEL_DEVICE)
+        raw(data).fill_(POISON[FP8_DTYPE])
+        if scale.dtype == E8M0_DTYPE:
+            raw(scale).fill_(POISON[E8M0_DTYPE])
+        else:
+            scale.fill_(float("nan"))
+        glu_forward_quantized(h, a, data, scale, activation, r)
+        expected = torch.empty_like(a)
+        glu_forward(h, expected, activation)
+        assert torch.equal(a, expected), activation
+        assert bool(torch.isnan(big_a[~window]).all()), "the forward wrote outside a"
+        assert_same_fp8(QuantizedTensor(data, scale, r, 1), *reference.quantize(a.cpu(), r, 1), activation)
+        assert not torch.isnan(data.float()).any() and not torch.isnan(scale.float()).any(), activation
+
+
+@pytest.mark.parametrize("recipe, error, pattern", [
+    ("block128x128", ValueError, r"^recipe must be one of \['rowwise', 'block128', 'mxfp8'\]"),
+    ("fp4", ValueError, r"^recipe must be one of"),
+    (Recipe("mxfp8", 32, mx_rounding="nearest"), ValueError, r"^recipe\.mx_rounding must be one of"),
+    (Recipe("mxfp8", 32, pow2=True), ValueError, r"^pow2 applies to the fp32-scaled recipes"),
+    (Recipe("rowwise", 64), ValueError, r"^recipe must be one of .*with its own block shape"),
+], ids=["block128x128", "fp4", "rounding", "mx-pow2", "rowwise-block"])
+def test_bad_recipe(recipe, error, pattern, backend):
+    _, device = backend
+    with pytest.raises(error, match=pattern):
+        swiglu(torch.randn(4, 6, device=device), recipe=recipe)
+
+
+def test_quantized_copy_needs_an_fp8_input_dtype(reference_backend):
+    with pytest.raises(TypeError, match=r"^h must have dtype in"):
+        swiglu(torch.randn(4, 6, dtype=torch.float64), recipe="rowwise")
+
+
+@pytest.mark.slow
+def test_compile_quantized_copy(reference_backend):
+    torch._dynamo.reset()
+
+    def f(h):
+        a, q = swiglu(h, recipe="mxfp8")
+        return a.square().sum(), q.data, q.scale
+
+    h = make_h(37, 40, torch.bfloat16, reference_backend)
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    loss, data, scale = torch.compile(f, fullgraph=True)(h1)
+    loss.backward()
+    loss_eager, data_eager, scale_eager = f(h2)
+    loss_eager.backward()
+    assert torch.equal(loss, loss_eager) and torch.equal(h1.grad, h2.grad)
+    assert torch.equal(raw(data), raw(data_eager)) and torch.equal(raw(scale), raw(scale_eager))

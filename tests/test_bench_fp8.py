@@ -84,3 +84,19 @@ def test_quantization_bytes_and_roofline():
     seconds = 2 * M * K * N / 1e15 + 3 * M * K / 2e12
     assert fp8["roofline_tflops"] == pytest.approx(2 * M * K * N / seconds / 1e12)
     assert rows[0]["roofline_tflops"] is None and rows[0]["recipe"] == "bf16"
+
+
+def test_split_runs_merge(tmp_path):
+    """Two runs split by shape (the second without the weights' quantization rows) merge into one."""
+    names = []
+    for shape, quantization in (("tiny-few", "all"), ("tiny-many", "activations")):
+        assert main(["fp8", "--quick", "--rounds", "1", "--out", str(tmp_path), "--name", shape, "--shapes", shape,
+                     "--methods", "dense", "dropless", "dropless_rowwise", "--passes", "fwd",
+                     "--quantization", quantization]) == 0
+        names.append(str(tmp_path / f"{shape}.json"))
+    assert main(["merge", *names, "--out", str(tmp_path / "merged.json")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert {r["shape"] for r in merged["rows"]} == {"tiny-few", "tiny-many"}
+    weights = [r for r in merged["quantization"] if r["operand"] == "weight"]
+    assert len(weights) == 3 * 2  # three recipes at the two quick E, once
+    assert {r["shape"] for r in merged["quantization"] if r["operand"] == "activation"} == {"tiny-few", "tiny-many"}

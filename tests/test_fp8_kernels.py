@@ -2,8 +2,10 @@
 the layouts of ``dropless.quantized``, against the fp64 product of the dequantized operands.
 
 The oracle broadcasts every scale over its block with its own code (``_expand``, ``_token_scales``),
+and places the weight gradient's groups at their 16-aligned data rows with its own (``_grouped_data``),
 not the kernels'. Outputs start as NaN, so an element the kernel skips shows; operand rows and scales
-that no group may read hold NaN too.
+that no group may read hold NaN too (in the weight gradient's operands, the gaps between groups as well,
+which the layout fills with zeros).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from conftest import (
     KERNEL_DEVICE,
     REL_TOL,
     bounds_of,
+    data_rows_of,
     offsets_of,
     poisoned,
     random_group_sizes,
@@ -288,31 +291,42 @@ def test_ragged_m_fp8_scale_map():
 # name: (token block, e8m0); blocks of 32 and 64 give several blocks per group at small shapes.
 TOKEN_SCALES = {"rowwise": (None, False), "block128": (128, False), "block64": (64, False), "mxfp8": (32, True)}
 
-# (M, K, N, sizes); M a multiple of 16 gives fp8 columns TMA can read with rowwise scales (groups start
-# anywhere: the interpreter, as the GPU, refuses a TMA window that does not start 16-byte aligned), the
-# others take pointers.
+# (M, K, N, sizes): M tokens in groups of ``sizes``, the operands ``[Mp, K]`` and ``[Mp, N]`` with every
+# group starting 16-aligned, which TMA reads for every recipe (the interpreter, as the GPU, refuses a
+# TMA window that does not start 16-byte aligned).
 SHAPES_K = {
     "aligned": (96, 64, 48, [20, 0, 45, 21]),
     "odd": (77, 40, 24, [0, 30, 0, 0, 40, 0]),
     "giant_group": (144, 32, 16, [0, 144, 0]),
     "m1": (16, 16, 32, [1, 0]),
+    "every_phase": (200, 32, 16, [1, 15, 17, 31, 33, 0, 47, 2, 16, 32]),  # starts at many phases of 16
 }
 
 
-def _ragged_k_operands(M, K, N, sizes, scales_name):
-    """a [M, K] and b [M, N] quantized along the tokens (M contiguous), their per-group scales and the
-    fp64 oracle; rows past the last group hold NaN."""
+def _grouped_data(t: torch.Tensor, sizes: Sequence[int], offset: int = 0) -> torch.Tensor:
+    """``t [M, C]`` (one token a row) laid out per group along the tokens: ``[Mp, C]``, a transposed view
+    of ``[C, Mp]`` storage, group e's tokens from row ``16 * (s_e // 16 + e)``; every other row NaN (the
+    layout's zeros, poisoned: the kernel must not read them). offset: the storage starts that many
+    elements into its allocation (1 misaligns it for TMA)."""
+    firsts, Mp = data_rows_of(sizes, t.shape[0])
+    storage = torch.full((t.shape[1], Mp + offset), float("nan"), device=t.device).to(t.dtype)[:, offset:]
+    data = storage.t()
+    for first, (s, e) in zip(firsts, bounds_of(sizes)):
+        data[first:first + e - s] = t[s:e]
+    return data
+
+
+def _ragged_k_operands(M, K, N, sizes, scales_name, offset=0):
+    """a [Mp, K] and b [Mp, N] quantized per group along the tokens (``_grouped_data``), their per-group
+    scales and the fp64 oracle; the tokens past the last group are not in the data."""
     block, e8m0 = TOKEN_SCALES[scales_name]
-    a = _fp8(K, M).t()
-    b = _fp8(N, M).t()
+    a_tokens, b_tokens = _fp8(M, K), _fp8(M, N)
     a_scale = _token_scale_rows(K, block, sizes, M, e8m0)
     b_scale = _token_scale_rows(N, block, sizes, M, e8m0)
-    a64 = a.double() * _token_scales(a_scale, block, sizes, M)
-    b64 = b.double() * _token_scales(b_scale, block, sizes, M)
+    a64 = a_tokens.double() * _token_scales(a_scale, block, sizes, M)
+    b64 = b_tokens.double() * _token_scales(b_scale, block, sizes, M)
     ref = _oracle_wgrad(a64, b64, sizes)
-    a[sum(sizes):] = float("nan")
-    b[sum(sizes):] = float("nan")
-    return a, a_scale, b, b_scale, block, ref
+    return _grouped_data(a_tokens, sizes, offset), a_scale, _grouped_data(b_tokens, sizes, offset), b_scale, block, ref
 
 
 @pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
@@ -325,7 +339,34 @@ def test_ragged_k_fp8(shape, scales, tma, descriptor_calls):
     out = poisoned((len(sizes), K, N), dtype, DEVICE)
     run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
     _check_experts(out, ref)
-    assert bool(descriptor_calls) == (tma is None and M % 16 == 0 and block is None), descriptor_calls
+    # Every recipe reads through TMA where the device has it (blockwise scales too).
+    assert bool(descriptor_calls) == (tma is None), descriptor_calls
+
+
+@pytest.mark.parametrize("scales", ["block128", "block64", "mxfp8"])
+def test_ragged_k_fp8_blockwise_reads_through_tma(scales, descriptor_calls):
+    """Every group's data starts 16-aligned, so blockwise scales read both operands through TMA: both
+    descriptors are built, and every window the kernel loads through them starts 16-byte aligned
+    (the interpreter asserts it, as the GPU faults)."""
+    M, K, N, sizes = SHAPES_K["every_phase"]
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    for first in data_rows_of(sizes, M)[0]:
+        assert a[first].data_ptr() % 16 == 0 and b[first].data_ptr() % 16 == 0
+    out = poisoned((len(sizes), K, N), torch.float32, DEVICE)
+    run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None)
+    _check_experts(out, ref)
+    assert descriptor_calls[:2] == [(K, a.shape[0]), (N, b.shape[0])], descriptor_calls
+
+
+def test_ragged_k_fp8_misaligned_storage_takes_pointers(descriptor_calls):
+    """Operands whose storage does not start 16-byte aligned cannot be read through TMA: the pointer path
+    runs, with the same result."""
+    M, K, N, sizes = SHAPES_K["aligned"]
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "block64", offset=1)
+    out = poisoned((len(sizes), K, N), torch.float32, DEVICE)
+    run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None)
+    _check_experts(out, ref)
+    assert not descriptor_calls
 
 
 @pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
@@ -356,21 +397,26 @@ def test_ragged_k_fp8_accumulate(scales, mode, transposed, tma):
 @pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
 def test_ragged_k_fp8_ignores_rows_outside_the_group(scales, tma):
-    """A non-finite token of one group, read by the last step of the group before it, stays in its own."""
-    M, K, N, sizes = 96, 32, 48, [20, 0, 45, 15]
+    """Non-finite tokens of one group, read by the last step of the group before it, stay in their own:
+    group 0's rows 0-39 end in the window of rows 32-63, which holds group 1's first 16 rows (from 48)."""
+    M, K, N, sizes = 96, 32, 48, [40, 45, 0, 11]
     a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
-    a[20] = float("nan")  # first token of group 2
-    b[21] = float("inf")
+    assert data_rows_of(sizes, M)[0][1] == 48
+    a[48] = float("nan")  # group 1's first token
+    b[49] = float("inf")
     out = poisoned((4, K, N), torch.float32, DEVICE)
     run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
-    for e in (0, 1, 3):
+    for e in (0, 2, 3):
         _assert_close(out[e], ref[e], f"dw[{e}]")
 
 
-def test_ragged_k_fp8_refuses_other_token_blocks():
-    a, b = _fp8(16, 64).t(), _fp8(16, 64).t()
+def test_ragged_k_fp8_refuses_other_token_blocks_and_rows():
+    a, b = _fp8(16, 64 + 16).t(), _fp8(16, 64 + 16).t()
     with pytest.raises(ValueError, match="power of two of at least 32"):
         run_ragged_k_fp8(a, _scales(6, 16), b, _scales(6, 16), 48, offsets_of([64], DEVICE),
+                         torch.empty(1, 16, 16, device=DEVICE), NO_ACCUMULATE, None)
+    with pytest.raises(ValueError, match=r"rows Mp = 16 \* \(cdiv\(M, 16\) \+ E\)"):
+        run_ragged_k_fp8(a[:70], _scales(6, 16), b[:70], _scales(6, 16), 32, offsets_of([64], DEVICE),
                          torch.empty(1, 16, 16, device=DEVICE), NO_ACCUMULATE, None)
 
 

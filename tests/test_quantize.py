@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import CUDA, KERNEL_DEVICE, make_w, offsets_of
+from conftest import CUDA, KERNEL_DEVICE, bounds_of, data_rows_of, make_w, offsets_of
 
 import dropless
 from dropless import reference
@@ -124,8 +124,8 @@ def test_grouped_matches_reference(backend, name, opts, sizes, M):
     assert q.offsets.dtype == torch.int32 and q.offsets.tolist() == offsets.tolist()
     data, scale = reference_q(x, name, opts, 0, offsets)
     assert_same(q, data, scale, f"{name} {sizes}")
+    assert q.tokens == M
     check_quantized("q", q, ndim=2, dim=0)
-    assert not raw(q.data[sum(sizes):]).any(), "rows past offsets[-1] must be 0"
 
 
 @pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
@@ -306,7 +306,7 @@ def test_dequantize_per_group_and_bf16():
     for name in ("rowwise", "block128", "mxfp8"):
         q = dropless.quantize(x, name, 0, offsets_of(sizes))
         back = q.dequantize(torch.bfloat16)
-        assert back.dtype == torch.bfloat16
+        assert back.dtype == torch.bfloat16 and back.shape == x.shape
         assert torch.allclose(back[:141].float(), x[:141], rtol=0.13, atol=1e-2)
         assert not back[141:].any()
 
@@ -331,13 +331,55 @@ def test_no_block_crosses_a_group_boundary(backend, name):
     other = [r for r in range(q.scale.shape[0]) if r not in group2]
     assert torch.equal(raw(q.scale)[other], raw(q2.scale)[other])
     assert not torch.equal(raw(q.scale)[group2], raw(q2.scale)[group2])
-    rows = torch.cat([torch.arange(0, 45), torch.arange(145, 200)])
+    first = data_rows_of(sizes, 200)[0][2]
+    rows = [r for r in range(q.data.shape[0]) if not first <= r < first + 100]
     assert torch.equal(raw(q.data)[rows], raw(q2.data)[rows])
+
+
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("sizes, M", [
+    ([0, 70, 0, 80, 50], 213),  # empty groups, rows past offsets[-1]
+    ([1, 15, 16, 17, 31, 33, 0, 47], 200),  # starts at many phases of 16
+    ([0, 0, 0], 37),
+])
+def test_group_data_starts_16_aligned(backend, name, opts, sizes, M):
+    """Group e's rows are rows ``16 * (s_e // 16 + e)`` onwards of ``[Mp, K]`` data (``Mp = 16 * (cdiv(M,
+    16) + E)``), each starting 16 bytes aligned in memory, holding the group quantized on its own; every
+    other row is zero."""
+    _, device = backend
+    x = planted((M, 48), torch.float32, device)
+    x[sum(sizes):] = float("nan")  # rows past offsets[-1] belong to no group
+    q = dropless.quantize(x, name, 0, offsets_of(sizes, device), **opts)
+    firsts, Mp = data_rows_of(sizes, M)
+    assert q.shape == (Mp, 48) and q.data.stride() == (1, Mp) and q.tokens == M
+    covered = torch.zeros(Mp, dtype=torch.bool)
+    for first, (s, t) in zip(firsts, bounds_of(sizes)):
+        assert first % 16 == 0 and q.data[first].data_ptr() % 16 == 0
+        alone, _ = reference_q(x[s:t], name, opts, 0)
+        assert torch.equal(raw(q.data[first:first + t - s]).cpu(), raw(alone)), (s, t)
+        assert not covered[first:first + t - s].any(), "groups overlap"
+        covered[first:first + t - s] = True
+    assert not raw(q.data).cpu()[~covered].any(), "gaps and rows past the last group must be 0"
+
+
+def test_group_rows_never_overlap():
+    """The layout's arithmetic: for any group sizes, each group's rows rounded up to 16 end before the next
+    group's start, and the last group's before Mp."""
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        E = int(torch.randint(1, 9, (1,), generator=rng))
+        sizes = torch.randint(0, 70, (E,), generator=rng) * (torch.rand(E, generator=rng) > 0.3)
+        M = int(sizes.sum()) + int(torch.randint(0, 40, (1,), generator=rng))
+        firsts, Mp = data_rows_of(sizes.tolist(), M)
+        ends = [first + -(-int(size) // 16) * 16 for first, size in zip(firsts, sizes)]
+        assert all(end <= nxt for end, nxt in zip(ends, firsts[1:] + [Mp])), (sizes.tolist(), M)
+        assert all(first % 16 == 0 for first in firsts)
 
 
 def test_group_scale_rows_by_hand(backend):
     """block128 groups of 100, 0, 200 rows in M = 320: group e's block j is scale row s_e // 128 + e + j;
-    the rows no block uses hold 1, the 20 rows past offsets[-1] are 0."""
+    the rows no block uses hold 1. The data has 16 * (20 + 3) = 368 rows: group 0 at rows 0-99, group 2
+    at 128-327 (16 * (100 // 16 + 2)); the rest, the 20 tokens past offsets[-1] included, is 0."""
     _, device = backend
     x = (torch.rand(320, 8) + 1.0).to(device)
     x[0:100] *= 448.0 * 2  # group 0: amax in [896, 1792)
@@ -350,7 +392,10 @@ def test_group_scale_rows_by_hand(backend):
     assert bool(((s[0] > 2) & (s[0] <= 4)).all()) and bool(((s[2] > 4) & (s[2] <= 8)).all())
     assert bool(((s[3] > 8) & (s[3] <= 16)).all())
     assert torch.equal(s[[1, 4, 5]], torch.ones(3, 8))
-    assert not raw(q.data[300:]).any()
+    data = raw(q.data).cpu()
+    assert data.shape == (368, 8)
+    assert data[0:100].all() and data[128:328].all()  # x >= 1 quantizes to non-zero bytes
+    assert not data[100:128].any() and not data[328:].any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -455,6 +500,10 @@ def test_check_quantized_errors():
         (ValueError, r"^x has offsets, which need 2D data quantized along dim 0",
          with_(dim=1, data=q.data.contiguous())),
         (ValueError, r"^x.offsets must be int32/int64", with_(offsets=q.offsets.float())),
+        (ValueError, r"^x.tokens must be the int number of rows M", with_(tokens=None)),
+        (ValueError, r"^x.data must have 16 \* \(cdiv\(M, 16\) \+ E\) = 96 rows for M=64",
+         with_(data=torch.zeros(96, 64, dtype=FP8_DTYPE).t())),  # x's shape: not the per-group layout
+        (ValueError, r"^x.data must have 16 \* \(cdiv\(M, 16\) \+ E\) = 144 rows for M=100", with_(tokens=100)),
     ]
     for error, match, bad in cases:
         with pytest.raises(error, match=match):

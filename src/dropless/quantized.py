@@ -7,19 +7,31 @@ along ``dim`` (``"block128"``, DeepSeek-V3's activations), per 128x128 tile of t
 E8M0 scale (``"mxfp8"``, OCP MX v1.0). ``x ~= data * scale``, the scale broadcast over its block.
 
 Layouts (``d`` = the quantized dim, counted from 0):
-- ``data`` has x's shape and unit stride along ``d``: the quantized dim is contiguous, which is the
-  K-major layout Hopper's FP8 tensor cores read. Quantizing a ``[M, K]`` activation along the token
-  dim (d = 0) gives a transposed view of ``[K, M]`` storage; a weight ``[E, K, N]`` along K (d = 1)
-  a view of ``[E, N, K]`` storage.
+- ``data`` has x's shape (per group, see below) and unit stride along ``d``: the quantized dim is
+  contiguous, which is the K-major layout Hopper's FP8 tensor cores read. Quantizing a ``[M, K]``
+  activation along the token dim (d = 0) gives a transposed view of ``[K, M]`` storage; a weight
+  ``[E, K, N]`` along K (d = 1) a view of ``[E, N, K]`` storage.
 - ``scale`` (fp32, or ``float8_e8m0fnu`` for mxfp8) is contiguous:
   - rowwise: x's shape with size 1 along ``d``;
   - block128 / mxfp8: x's shape with ``cdiv(size_d, block)`` along ``d``;
   - block128x128: ``[..., cdiv(size_{-2}, 128), cdiv(size_{-1}, 128)]`` whatever ``d`` is.
-- With ``offsets`` (``[E]`` cumulative group ends, ``x [M, K]``, d = 0), no block crosses a group
-  boundary: rowwise gives ``scale [E, K]`` (row e: group e's rows); a blockwise recipe of block B gives
-  ``scale [cdiv(M, B) + E, K]`` where block j of group e (rows ``s_e + j*B`` onwards) is row
-  ``s_e // B + e + j``; rows no block uses hold 1. Each kernel finds a block's scale from ``s_e`` alone,
-  with no table of group sizes. Rows past ``offsets[-1]`` belong to no group: their data is zero.
+- With ``offsets`` (``[E]`` cumulative group ends, ``x [M, K]``, d = 0; group e is x's rows
+  ``[s_e, t_e)``, ``s_e = offsets[e-1]``), no block crosses a group boundary and every group starts
+  16-aligned in the data, so that a GEMM reads any group's token windows with 16-byte aligned loads
+  (TMA) and the quantization writes them with 16-byte stores:
+  - ``data`` is ``[Mp, K]``, a transposed view of ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16) + E)``
+    (``grouped_rows``). Group e's rows occupy rows ``[p_e, p_e + t_e - s_e)`` with
+    ``p_e = 16 * (s_e // 16 + e)``; every other row (the gaps between groups and everything past the
+    last group) is zero. These ranges never overlap and fit in Mp: with ``16 * (t_e // 16) >= t_e - 15``
+    and ``16 * (s_e // 16) <= s_e``, ``p_{e+1} - p_e = 16 * (t_e // 16 - s_e // 16) + 16 >= t_e - s_e + 1``,
+    a multiple of 16 larger than the group, so even its rows rounded up to 16 end before ``p_{e+1}``;
+    and ``p_E = 16 * (t_{E-1} // 16 + E) <= Mp`` bounds the last. Rows of x past ``offsets[-1]`` belong
+    to no group and are not stored.
+  - rowwise gives ``scale [E, K]`` (row e: group e's rows); a blockwise recipe of block B gives
+    ``scale [cdiv(M, B) + E, K]`` (``cdiv(M, B) = cdiv(Mp - 16 E, B)``, as 16 divides B) where block j of
+    group e (x's rows ``s_e + j*B`` onwards, data rows ``p_e + j*B`` onwards) is row ``s_e // B + e + j``;
+    rows no block uses hold 1.
+  Each kernel finds a group's data rows and scales from ``s_e`` alone, with no table of group sizes.
 """
 
 from __future__ import annotations
@@ -33,6 +45,12 @@ FP8_MAX = 448.0
 E8M0_DTYPE = torch.float8_e8m0fnu
 E8M0_BIAS = 127
 MX_ROUNDINGS = ("floor", "rceil")
+GROUP_ALIGN = 16  # rows: where each group starts in per-group data, 16 bytes of FP8 along the tokens
+
+
+def grouped_rows(M: int, E: int) -> int:
+    """``Mp``: the rows of the data of ``M`` tokens in ``E`` groups quantized per group along the tokens."""
+    return GROUP_ALIGN * (-(-M // GROUP_ALIGN) + E)
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,7 @@ class QuantizedTensor:
     recipe: Recipe
     dim: int
     offsets: torch.Tensor | None = None
+    tokens: int | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -130,7 +149,8 @@ class QuantizedTensor:
         return self.data.device
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32)."""
+        """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32), of the original
+        tensor's shape (``[tokens, K]`` per group, zero past ``offsets[-1]``)."""
         from dropless import reference
 
         return reference.dequantize(self).to(dtype)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dropless.quantized import E8M0_BIAS, E8M0_DTYPE, FP8_DTYPE, FP8_MAX, QuantizedTensor, Recipe
+from dropless.quantized import (E8M0_BIAS, E8M0_DTYPE, FP8_DTYPE, FP8_MAX, GROUP_ALIGN, QuantizedTensor, Recipe,
+                                grouped_rows)
 
 
 def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
@@ -20,6 +21,13 @@ def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
         bounds.append((start, max(start, end)))
         start = max(start, end)
     return bounds
+
+
+def group_rows(offsets: torch.Tensor, M: int) -> list[tuple[int, int, int]]:
+    """``(start, end, row)`` of each group of M tokens: x's rows ``[start, end)`` (as ``group_bounds``)
+    and ``row = 16 * (start // 16 + e)``, where the group starts in data quantized per group."""
+    return [(start, end, GROUP_ALIGN * (start // GROUP_ALIGN + e))
+            for e, (start, end) in enumerate(group_bounds(offsets, M))]
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -268,26 +276,27 @@ def quantize(x: torch.Tensor, recipe: Recipe, dim: int, offsets: torch.Tensor | 
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to FP8 along ``dim`` with ``recipe`` (a ``dropless.quantized.Recipe``).
 
-    x: any float dtype and strides. offsets: int ``[E]`` cumulative group ends, for a 2D x quantized
-    along dim 0 per group (no block crosses a group boundary; rows past ``offsets[-1]`` quantize to 0).
-    Returns ``(data, scale)`` laid out as ``dropless.quantized`` says: data float8_e4m3fn of x's shape
-    with unit stride along dim; scale contiguous, fp32 (float8_e8m0fnu for mxfp8).
+    x: any float dtype and strides. offsets: int ``[E]`` cumulative group ends, for a 2D x ``[M, K]``
+    quantized along dim 0 per group (no block crosses a group boundary; rows past ``offsets[-1]`` are
+    not stored). Returns ``(data, scale)`` laid out as ``dropless.quantized`` says: data float8_e4m3fn of
+    x's shape with unit stride along dim (per group: ``[Mp, K]``, group e from row ``p_e``, zeros
+    elsewhere); scale contiguous, fp32 (float8_e8m0fnu for mxfp8).
     """
     dim = dim % x.dim()
     if offsets is not None:
         M, K = x.shape
-        data = torch.zeros(K, M, dtype=FP8_DTYPE, device=x.device).t()
+        data = torch.zeros(K, grouped_rows(M, offsets.shape[0]), dtype=FP8_DTYPE, device=x.device).t()
         rows = offsets.shape[0] + (-(-M // recipe.block) if recipe.block else 0)
         # Rows no block uses hold 1: 2**0 as an E8M0 byte for mxfp8 (filled through a uint8 view).
         if recipe.name == "mxfp8":
             scale = torch.full((rows, K), E8M0_BIAS, dtype=torch.uint8, device=x.device)
         else:
             scale = torch.ones(rows, K, device=x.device)
-        for e, (start, end) in enumerate(group_bounds(offsets, M)):
+        for e, (start, end, row) in enumerate(group_rows(offsets, M)):
             if end == start:
                 continue
             group_data, group_scale = quantize(x[start:end], recipe, 0)
-            data[start:end] = group_data
+            data[row:row + end - start] = group_data
             first = e if recipe.block is None else start // recipe.block + e
             scale[first:first + group_scale.shape[0]] = group_scale.view(scale.dtype)
         return data, scale.view(recipe.scale_dtype)
@@ -300,24 +309,19 @@ def quantize(x: torch.Tensor, recipe: Recipe, dim: int, offsets: torch.Tensor | 
     return data.movedim(-1, dim), scale.movedim(-1, dim).contiguous()
 
 
-def _group_scale_rows(q: QuantizedTensor, M: int) -> torch.Tensor:
-    """The scale row of each of the M rows of a per-group ``QuantizedTensor`` (row 0 past the last group,
-    whose data is 0)."""
-    index = torch.zeros(M, dtype=torch.int64)
-    for e, (start, end) in enumerate(group_bounds(q.offsets, M)):
-        if q.recipe.block is None:
-            index[start:end] = e
-        else:
-            index[start:end] = start // q.recipe.block + e + torch.arange(end - start) // q.recipe.block
-    return index.to(q.data.device)
-
-
 def dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """``data * scale`` in fp32 (the scale broadcast over its block), a new contiguous tensor of q's shape."""
+    """``data * scale`` in fp32 (the scale broadcast over its block), a new contiguous tensor of q's shape;
+    per group, of the original tensor's shape ``[q.tokens, K]``, zero past ``offsets[-1]``."""
     data = q.data.float()
     scale = q.scale.float()
     if q.offsets is not None:
-        return data * scale[_group_scale_rows(q, data.shape[0])]
+        x = torch.zeros(q.tokens, data.shape[1], device=data.device)
+        block = q.recipe.block
+        for e, (start, end, row) in enumerate(group_rows(q.offsets, q.tokens)):
+            size = end - start
+            scale_rows = torch.full((size,), e) if block is None else start // block + e + torch.arange(size) // block
+            x[start:end] = data[row:row + size] * scale[scale_rows.to(data.device)]
+        return x
     if q.recipe.tile:
         R, C = data.shape[-2:]
         return data * _expand(_expand(scale, -2, 128, R), -1, 128, C)

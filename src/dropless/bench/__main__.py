@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     fp8.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
     fp8.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
     fp8.add_argument("--methods", nargs="+", help=f"of {list(FP8_METHODS)} (default: all)")
+    fp8.add_argument("--quantization", choices=("all", "activations", "none"), default="all",
+                     help="quantization kernels to time on their own: all, the activations of the shapes run "
+                          "(for all but one of the runs split by shape), or none (default: %(default)s)")
 
     moe = _add_run_arguments(sub.add_parser(
         "moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm layer and "
@@ -129,7 +132,7 @@ def _gemm(args: argparse.Namespace) -> int:
 def _fp8(args: argparse.Namespace) -> int:
     opts = Fp8Options(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(FP8_METHODS),
-                      **_run_options(args))
+                      quantization=args.quantization, **_run_options(args))
     return _run(args, "fp8", lambda: run_fp8(opts), opts, plot,
                 lambda result: [format_quantization_table(result), format_fp8_table(result)])
 
@@ -151,7 +154,11 @@ def _merge(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({len(result['rows'])} rows from {len(args.results)} runs)")
     png_path = args.out.with_suffix(".png")
     print(f"wrote {png_path}" if plot(result, png_path) else "no plot: matplotlib is not installed")
-    print(format_summary(result["rows"]))
+    if "quantization" in result:
+        print(format_quantization_table(result))
+        print(format_fp8_table(result))
+    else:
+        print(format_summary(result["rows"]))
     return 0
 
 

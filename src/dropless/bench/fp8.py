@@ -39,7 +39,11 @@ _SCALE_BYTES = {"rowwise": 0.0, "block128": 4 / 128, "mxfp8": 1 / 32}
 
 @dataclass
 class Fp8Options(GemmOptions):
-    """The GEMM benchmark's options with the FP8 methods (see ``FP8_METHODS``)."""
+    """The GEMM benchmark's options with the FP8 methods (see ``FP8_METHODS``). ``quantization``: which
+    quantization rows to time: ``all``, ``activations`` (of the shapes run; for runs split by shape,
+    all but one of which leave the weights out) or ``none``."""
+
+    quantization: str = "all"
 
     def __post_init__(self) -> None:
         self.registry = dict(FP8_METHODS)
@@ -108,9 +112,11 @@ def quantization_rows(opts: Fp8Options, bandwidth: float | None) -> list[dict]:
     """The quantization kernels on their own: 3D expert weights (both orientations in one call) for each
     weight recipe at every E of ``WEIGHT_EXPERTS``, and each shape's activations along K and, per
     group, along the tokens, for each activation recipe and routing."""
-    rows = []
+    rows: list[dict] = []
+    if opts.quantization == "none":
+        return rows
     K, N = QUICK_WEIGHT_SHAPE if opts.quick else WEIGHT_SHAPE
-    for name in GEMM_RECIPES:
+    for name in GEMM_RECIPES if opts.quantization == "all" else ():
         recipe = operand_recipes(get_recipe(name))[1]
         for E in QUICK_WEIGHT_EXPERTS if opts.quick else WEIGHT_EXPERTS:
             w = torch.randn(E, N, K, device=opts.device, dtype=opts.dtype).transpose(1, 2)

@@ -42,4 +42,8 @@ def merge_results(results: Sequence[dict], commit: str | None = None) -> dict:
     meta["seconds"] = round(sum(r["meta"].get("seconds", 0.0) for r in results), 1)
     if commit:
         meta["commit"] = commit
-    return {"meta": meta, "rows": [row for result in results for row in result["rows"]]}
+    merged = {"meta": meta, "rows": [row for result in results for row in result["rows"]]}
+    # Other lists of rows (the FP8 benchmark's ``quantization``) are joined in run order.
+    for key in dict.fromkeys(k for result in results for k in result if k not in ("meta", "rows")):
+        merged[key] = [row for result in results for row in result.get(key, [])]
+    return merged

@@ -23,7 +23,13 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   group g owns the program slots ``starts[g] // BLOCK_R + g`` onwards, so ``cdiv(M, BLOCK_R) + E`` slots
   cover every group and the tail past ``offsets[-1]`` (index E, written as zeros) whatever the group
   sizes, which the host never reads. Each group also owns at least one slot, which writes the scale
-  rows of its empty blocks (1). Rowwise scales span the whole R or C extent: a first launch
+  rows of its empty blocks (1). Group g's data starts at row ``p_g = 16 * (starts[g] // 16 + g)`` of the
+  ``[C, Mp]`` storage; its slots write rows ``p_g`` up to ``p_{g+1}`` (its own rows, then zeros), the
+  tail's up to Mp, so every byte of the data is written, in runs of 16 rows that start 16-aligned: the
+  compiler sees it (``tl.multiple_of``) and stores 16 bytes at a time. The slots reach that far: group g
+  spans ``p_{g+1} - p_g = 16 * (starts[g+1] // 16 - starts[g] // 16 + 1)`` rows and owns
+  ``starts[g+1] // BLOCK_R - starts[g] // BLOCK_R + 1`` slots of BLOCK_R rows, a multiple of 16, which is
+  at least as many (likewise the tail). Rowwise scales span the whole R or C extent: a first launch
   (``AMAX_PASS``) takes each tile's partial amax into int32 buffers with ``atomic_max`` on the bits of
   the (non-negative) magnitudes, and a second launch quantizes, reading x again.
 - ``_rowwise_kernel``: rowwise along the last dim of a 2D x; each program owns ``BLOCK_M`` rows and
@@ -43,11 +49,12 @@ import triton.language as tl
 
 from dropless.kernels.groups import group_bounds, pick
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
-from dropless.quantized import Recipe
+from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows
 
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 E8M0_ONE = tl.constexpr(127)  # the E8M0 byte of 2**0
 FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal value
+_GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of per-group data starts at a multiple of it
 
 
 @triton.jit
@@ -132,7 +139,7 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 @triton.jit
 def _tile_kernel(
     x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, offsets_ptr,
-    R, C, E, SLOTS, SCALE_ROWS_R,
+    R, C, E, SLOTS, SCALE_ROWS_R, DATA_ROWS_R,
     stride_xb, stride_xr, stride_xc,
     ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
@@ -143,8 +150,9 @@ def _tile_kernel(
 
     BLOCK: elements per scale (0: rowwise, scales from ``amax_r [G, C]`` / ``amax_c [BATCH, R]``, G the
     groups or BATCH). TILE: one scale per 128x128 tile (BLOCK_R = BLOCK_C = 128), in ``scale_r``.
-    scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c: ``[BATCH, R, cdiv(C, BLOCK)]``
-    (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
+    data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise);
+    data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
+    ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
     """
     pid = tl.program_id(0)
     batch = pid // SLOTS
@@ -159,12 +167,21 @@ def _tile_kernel(
         row0 = group_start + local * BLOCK_R
         # The tail past offsets[-1] (group E) belongs to no group: its tiles read nothing and write zeros.
         live = (row0 < end) & (group < E)
+        # Group g's data rows start at 16 * (starts[g] // 16 + g), 16-aligned (dropless.quantized), and its
+        # tiles write every row up to the next group's start, zeros past its own rows: the tiles of
+        # all groups and the tail write each of the DATA_ROWS_R rows once, in whole 16-row (16-byte) runs.
+        data_starts = (starts // _GROUP_ALIGN + tl.arange(0, E_POW2)) * _GROUP_ALIGN
+        out_row0 = tl.multiple_of(pick(data_starts, group, E_POW2) + local * BLOCK_R, _GROUP_ALIGN)
+        out_end = tl.where(group < E, pick(data_starts, group + 1, E_POW2), DATA_ROWS_R)
+        out_rows = tl.multiple_of(out_end - out_row0, _GROUP_ALIGN)
     else:
         group = batch
         end = R
         local = slot
         row0 = slot * BLOCK_R
         live = row0 < end
+        out_row0 = row0
+        out_rows = end - row0
     col0 = tl.program_id(1) * BLOCK_C
     r = tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_C)
@@ -174,13 +191,14 @@ def _tile_kernel(
     row_ok = r < end - row0
     col_ok = c < C - col0
     mask = row_ok[:, None] & col_ok[None, :]
+    out_mask = col_ok[:, None] & (r < out_rows)[None, :]  # of the transposed tile written along R
     batch64 = batch.to(tl.int64)
     group64 = group.to(tl.int64)
     row64 = row0.to(tl.int64)
     col64 = col0.to(tl.int64)
     x_tile = x + batch64 * stride_xb + row64 * stride_xr + col64 * stride_xc
     v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & live, other=0.0).to(tl.float32)
-    data_r_tile = data_r + (batch64 * C + col64) * R + row64  # storage [BATCH, C, R]
+    data_r_tile = data_r + (batch64 * C + col64) * DATA_ROWS_R + out_row0.to(tl.int64)
     data_c_tile = data_c + (batch64 * R + row64) * C + col64  # storage [BATCH, R, C]
 
     if AMAX_PASS:
@@ -198,7 +216,7 @@ def _tile_kernel(
         tl.store(scale_r + (batch64 * SCALE_ROWS_R + slot) * tl.cdiv(C, 128) + tl.program_id(1), scale,
                  mask=(slot < SCALE_ROWS_R) & (tl.program_id(1) < tl.cdiv(C, 128)))
         if ALONG_R:
-            tl.store(data_r_tile + c[:, None] * R + r[None, :], tl.trans(q), mask=tl.trans(mask))
+            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
         if ALONG_C:
             tl.store(data_c_tile + r[:, None] * C + c[None, :], q, mask=mask)
     else:
@@ -233,7 +251,7 @@ def _tile_kernel(
                 scale_tile = scale_r + (batch64 * SCALE_ROWS_R + first_row) * C + col64
                 tl.store(scale_tile + b[:, None] * C + c[None, :], scale.to(scale_r.dtype.element_ty),
                          mask=(b < rows_end - first_row)[:, None] & col_ok[None, :])
-            tl.store(data_r_tile + c[:, None] * R + r[None, :], tl.trans(q), mask=tl.trans(mask))
+            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
         if ALONG_C:
             if BLOCK == 0:
                 amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
@@ -326,6 +344,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
     if BATCH == 0:
         return
     rowwise = recipe.block is None
+    data_rows_r = grouped_rows(R, E) if grouped else R
     amax_r = torch.zeros(E if grouped else BATCH, C, dtype=torch.int32, device=x.device) if rowwise and along_r else x
     amax_c = torch.zeros(BATCH, R, dtype=torch.int32, device=x.device) if rowwise and along_c else x
     for amax_pass in (True, False) if rowwise else (False,):
@@ -333,12 +352,12 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
             x if offsets is None else offsets,
-            R, C, E, slots, cdiv(R, recipe.block) + E if recipe.block else 0,
+            R, C, E, slots, cdiv(R, recipe.block) + E if recipe.block else 0, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
             ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
             BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
-            WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride()))),
+            WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r))),
             BLOCK_R=block_r, BLOCK_C=block_c, E_POW2=next_power_of_2(E + 1),
             num_warps=num_warps,
         )
@@ -352,8 +371,10 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     x: ``[M, K]`` (dim 0 or 1) or ``[E, K, N]`` (dim 1 or 2); bf16, fp16 or fp32, any strides (a unit
     last stride reads coalesced), on a CUDA device or the CPU under the interpreter. data:
     float8_e4m3fn of x's shape, a view of storage whose last dim is ``dim`` (row-major along the last
-    dim; for dim 0 of a 2D x, a transposed view of ``[K, M]`` storage). scale: contiguous, shaped as
-    ``dropless.quantized`` lays it out for ``(recipe, dim, offsets)``, fp32 or float8_e8m0fnu (mxfp8).
+    dim; for dim 0 of a 2D x, a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view of
+    ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16) + E)``, each group from a 16-aligned row, zeros between
+    and after the groups). scale: contiguous, shaped as ``dropless.quantized`` lays it out for
+    ``(recipe, dim, offsets)``, fp32 or float8_e8m0fnu (mxfp8).
     offsets: int32/int64 ``[E]`` cumulative group ends (2D x, dim 0, not block128x128), read on the
     device: nothing syncs. Every element of data and scale is written. Rowwise along the last dim of a
     2D x reads each row block twice in one program; other rowwise cases run two launches over a zeroed

@@ -1,26 +1,29 @@
 """Ragged-K grouped GEMM on FP8 operands (weight gradient).
 
-    c[e] = (a * sa)[s_e:t_e, :]^T @ (b * sb)[s_e:t_e, :]     for every group e, s_e = offsets[e-1], t_e = offsets[e]
+    c[e] = (a * sa)[p_e:p_e+n_e, :]^T @ (b * sb)[p_e:p_e+n_e, :]     for every group e
 
-a: float8_e4m3fn [M, K] and b: float8_e4m3fn [M, N], both quantized along the token dim M with M
-contiguous (views of ``[K, M]`` and ``[N, M]`` storage): the reduction runs over tokens, so that is
-the K-major layout of Hopper's FP8 tensor cores. c: [E, K, N], bf16 or
-fp32, any strides; zero for an empty group, or added into (an fp32 ``main_grad``) for all experts or
-for those whose flag is set, as in ragged_k.py.
+a: float8_e4m3fn [Mp, K] and b: float8_e4m3fn [Mp, N], both quantized per group along the tokens as
+``dropless.quantized`` lays them out: views of ``[K, Mp]`` and ``[N, Mp]`` storage (the tokens
+contiguous: the K-major layout of Hopper's FP8 tensor cores), ``Mp = 16 * (cdiv(M, 16) + E)``, group e's
+``n_e = t_e - s_e`` tokens (``s_e = offsets[e-1]``, ``t_e = offsets[e]``) in rows ``[p_e, p_e + n_e)``,
+``p_e = 16 * (s_e // 16 + e)``, which each program computes from offsets. c: [E, K, N], bf16 or fp32,
+any strides; zero for an empty group, or added into (an fp32 ``main_grad``) for all experts or for those
+whose flag is set, as in ragged_k.py.
 
 Scales (fp32, or E8M0 bytes, see scales.py) restart at every group, so that no block spans two:
 - rowwise (one scale per group and column): ``a_scale [E, K]``, ``b_scale [E, N]``; the accumulator is
   scaled once in the epilogue, ``c[e] = acc * sa[e, :, None] * sb[e, None, :]``;
 - blocks of B tokens: ``a_scale [cdiv(M, B) + E, K]``, ``b_scale [cdiv(M, B) + E, N]``; block j of group
-  e (rows ``s_e + j*B`` onwards) uses row ``s_e // B + e + j``. Each BLOCK_M-row step (BLOCK_M divides
+  e (rows ``p_e + j*B`` onwards) uses row ``s_e // B + e + j``. Each BLOCK_M-row step (BLOCK_M divides
   B) adds its partial product to the accumulator scaled by that row's ``sa[:, None] * sb[None, :]``.
 
-Each tile steps over the group's tokens in windows of BLOCK_M, full ones without masks; the tokens of
-other groups in a partial window may hold anything, NaN included, and are zeroed. Operands come through
-TMA descriptors of the transposed storage where the strides allow it and the scales are rowwise, else
-through masked pointer loads: a TMA window must start 16-byte aligned along the tokens, so where a
-group does not, its first window starts in the previous group, and its windows straddle the token
-blocks of blockwise scales.
+Each tile steps over its group's rows in windows of BLOCK_M (a multiple of 16) from p_e, so every
+window starts 16-aligned along the tokens, where a TMA read must start (16 bytes), and lies inside one
+token block of the scales. Full windows go without masks; the last, partial one zeroes its rows past the
+group in both operands: they are the next group's rows or zero gaps, and a NaN of the next group must
+not reach this one. Operands come through TMA descriptors of the transposed storage for every recipe,
+and through masked pointer loads only where TMA is unavailable (no TMA on the device, or operands whose
+base or strides are not 16-byte aligned).
 """
 
 from __future__ import annotations
@@ -34,11 +37,9 @@ from dropless.kernels.groups import group_bounds, grouped_raster, pick
 from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
 from dropless.kernels.ragged_m_fp8 import kernel_scale
 from dropless.kernels.scales import FP8_MIN_STEP, SCALE_EPILOGUE, SCALE_PER_STEP, load_scale
+from dropless.quantized import GROUP_ALIGN
 
-# Bytes: a TMA read along the contiguous dim must start at a multiple of 16 (on an H100 a load at another
-# offset stops the kernel with an illegal instruction).
-_TMA_WINDOW_ALIGN = 16
-
+_GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of the operands starts at a multiple of it
 
 @triton.jit
 def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
@@ -46,7 +47,7 @@ def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, s
                USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
     """``a^T [BLOCK_K, BLOCK_M]`` (columns k0.. of a) and ``b [BLOCK_M, BLOCK_N]`` (columns n0.. of b)
     over rows ``[row0, row0 + BLOCK_M)``, both with the rows contiguous in shared memory. Rows past
-    ``end`` read as 0 on the pointer path and as whatever follows on the TMA path."""
+    ``end`` read as 0 on the pointer path and as whatever follows on the TMA path (0 past the storage)."""
     if USE_TMA:
         a_t = a.load([k0, row0])
         b_tile = b.load([n0, row0]).T
@@ -81,36 +82,17 @@ def _step_product(a_t, b_tile, acc, a_scale, b_scale, scale_row, ks, ns, K, N,
 
 
 @triton.jit
-def _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
-                 stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
-                 TOKEN_BLOCK: tl.constexpr, A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
-                 MAX_IMPRECISE_ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr):
-    """``_step_product`` of the window at row0 with the rows outside ``[start, end)`` zeroed in both
-    operands: they belong to other groups and may hold anything, NaN included."""
-    a_t, b_tile = _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
-                             BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    in_group = (rows >= start) & (rows < end)
-    a_t = tl.where(in_group[None, :], a_t, 0.0)
-    b_tile = tl.where(in_group[:, None], b_tile, 0.0)
-    return _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + (row0 - start) // TOKEN_BLOCK,
-                         ks, ns, K, N, stride_sa, stride_sak, stride_sb, stride_sbn,
-                         A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC)
-
-
-@triton.jit
 def _ragged_k_fp8_tile(
-    a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, start, end, local_tile,
-    M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+    a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, start, end, row_start, local_tile,
+    N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
     stride_sa, stride_sak, stride_sb, stride_sbn,
     TOKEN_BLOCK: tl.constexpr, A_E8M0: tl.constexpr, B_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
     MAX_IMPRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
-    """One output tile ``c[group, k-block, n-block]``, reduced over the group's rows."""
+    """One output tile ``c[group, k-block, n-block]``, reduced over the group's tokens ``[start, end)``,
+    which sit in rows ``[row_start, row_start + end - start)`` of a and b."""
     pid_k, pid_n = grouped_raster(local_tile, tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_M)
     k0 = pid_k * BLOCK_K
     n0 = pid_n * BLOCK_N
@@ -118,32 +100,27 @@ def _ragged_k_fp8_tile(
     ns = n0 + tl.arange(0, BLOCK_N)
     # Scale row of the group's first block; blocks of TOKEN_BLOCK rows restart at the group's start.
     first_scale_row = start // TOKEN_BLOCK + group
+    row_end = row_start + (end - start)
 
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    # TMA reads windows of tokens that start ALIGN-aligned (16 bytes: the hardware faults on others), so
-    # the first window may begin in the previous group and is masked, as is the last, partial one. In
-    # between, full windows without masks: the mask costs a register round trip of the operands.
-    row0 = start - start % ALIGN
-    if row0 < start:
-        acc = _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
-                           stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
-                           TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
-                           BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-        row0 += BLOCK_M
-    full_steps = tl.maximum(end - row0, 0) // BLOCK_M
+    # Full windows without masks: a mask costs a register round trip of the operands.
+    full_steps = (end - start) // BLOCK_M
     for step in range(full_steps):
-        row = row0 + step * BLOCK_M
-        a_t, b_tile = _load_rows(a, b, row, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
-        acc = _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + (row - start) // TOKEN_BLOCK,
+        a_t, b_tile = _load_rows(a, b, row_start + step * BLOCK_M, row_end, k0, n0, N, K,
+                                 stride_am, stride_ak, stride_bm, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        acc = _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + step * BLOCK_M // TOKEN_BLOCK,
                             ks, ns, K, N, stride_sa, stride_sak, stride_sb, stride_sbn,
                             A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC)
-    row0 += full_steps * BLOCK_M
-    if row0 < end:
-        acc = _masked_step(a, b, acc, a_scale, b_scale, row0, start, end, first_scale_row, k0, n0, ks, ns, N, K,
-                           stride_am, stride_ak, stride_bm, stride_bn, stride_sa, stride_sak, stride_sb, stride_sbn,
-                           TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
-                           BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+    row0 = row_start + full_steps * BLOCK_M
+    if row0 < row_end:
+        a_t, b_tile = _load_rows(a, b, row0, row_end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, UPCAST)
+        in_group = row0 + tl.arange(0, BLOCK_M) < row_end
+        a_t = tl.where(in_group[None, :], a_t, 0.0)
+        b_tile = tl.where(in_group[:, None], b_tile, 0.0)
+        acc = _step_product(a_t, b_tile, acc, a_scale, b_scale, first_scale_row + full_steps * BLOCK_M // TOKEN_BLOCK,
+                            ks, ns, K, N, stride_sa, stride_sak, stride_sb, stride_sbn,
+                            A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC)
 
     if SCALE_MODE == SCALE_EPILOGUE:
         # An empty group's scales may be anything: it keeps its zeros.
@@ -174,12 +151,16 @@ def _ragged_k_fp8_kernel(
     MAX_IMPRECISE_ACC: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+    ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     BY_WORK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
+    """M: the operands' rows Mp. Group bounds are clamped to the ``Mp - 16 E`` tokens (a multiple of 16,
+    at least the real M) the data holds, so even malformed offsets keep every group inside the Mp rows
+    and its blocks inside the scales (``dropless.quantized``)."""
     tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_per_group
-    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
+    starts, ends = group_bounds(offsets_ptr, E, M - _GROUP_ALIGN * E, E_POW2)
+    row_starts = (starts // _GROUP_ALIGN + tl.arange(0, E_POW2)) * _GROUP_ALIGN
     if BY_WORK:
         # Largest groups first, tiles drawn one at a time from a counter (as in ragged_k.py).
         e = tl.arange(0, E_POW2)
@@ -189,22 +170,22 @@ def _ragged_k_fp8_kernel(
         while tile_id < total_tiles:
             group = pick(order, tile_id // tiles_per_group, E_POW2)
             _ragged_k_fp8_tile(a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, pick(starts, group, E_POW2),
-                               pick(ends, group, E_POW2), tile_id % tiles_per_group,
-                               M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                               pick(ends, group, E_POW2), pick(row_starts, group, E_POW2), tile_id % tiles_per_group,
+                               N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                                stride_sa, stride_sak, stride_sb, stride_sbn,
                                TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
-                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, ALIGN, UPCAST, TMA_STORE)
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, TMA_STORE)
             tile_id = tl.atomic_add(counter_ptr, 1)
     else:
         for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
                                 flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
             group = tile_id // tiles_per_group
             _ragged_k_fp8_tile(a, b, c, c_desc, a_scale, b_scale, flags_ptr, group, pick(starts, group, E_POW2),
-                               pick(ends, group, E_POW2), tile_id % tiles_per_group,
-                               M, N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
+                               pick(ends, group, E_POW2), pick(row_starts, group, E_POW2), tile_id % tiles_per_group,
+                               N, K, stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                                stride_sa, stride_sak, stride_sb, stride_sbn,
                                TOKEN_BLOCK, A_E8M0, B_E8M0, SCALE_MODE, MAX_IMPRECISE_ACC,
-                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, ALIGN, UPCAST, TMA_STORE)
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ACCUMULATE, USE_TMA, UPCAST, TMA_STORE)
 
 
 def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -213,16 +194,19 @@ def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
                     fast_accum: bool = False) -> None:
     """Launch the FP8 ragged-K kernel writing (or adding into) ``c [E, K, N]``; nothing syncs.
 
-    a: float8_e4m3fn ``[M, K]``; b: float8_e4m3fn ``[M, N]`` (TMA needs ``a.stride(0) == 1`` and
-    ``b.stride(0) == 1`` with 16-byte aligned other strides; other layouts take the pointer path).
-    block: tokens per scale block (a power of two of at least 32), None for one scale per group;
+    a: float8_e4m3fn ``[Mp, K]``; b: float8_e4m3fn ``[Mp, N]``, quantized per group along the tokens
+    (``Mp = 16 * (cdiv(M, 16) + E)`` rows, group e from row ``16 * (s_e // 16 + e)``, the module
+    docstring's layout; TMA needs ``a.stride(0) == 1`` and ``b.stride(0) == 1`` with 16-byte aligned
+    other strides and base pointers, which storage of that layout has; other layouts take the pointer
+    path). block: tokens per scale block (a power of two of at least 32), None for one scale per group;
     a_scale ``[E, K]`` or ``[cdiv(M, block) + E, K]``, b_scale likewise with N, any strides, fp32 or
-    E8M0 (``float8_e8m0fnu`` or its uint8 view). offsets: int32 ``[E]``; c: ``[E, K, N]`` written along
-    its last dim (swap the operands, their scales and c's last two dims for a transposed view);
-    accumulate: NO_ACCUMULATE, ACCUMULATE_ALL or ACCUMULATE_FLAGGED (then ``flags`` is a bool ``[E]``).
-    With blocks, BLOCK_M is cut to the block. fast_accum: for one scale per group, let Hopper's tensor
-    cores accumulate the whole group in their reduced-precision FP8 accumulation rather than
-    promoting every BLOCK_M rows into fp32.
+    E8M0 (``float8_e8m0fnu`` or its uint8 view). offsets: int32 ``[E]``; E is c's first dim. c:
+    ``[E, K, N]`` written along its last dim (swap the operands, their scales and c's last two dims for
+    a transposed view); accumulate: NO_ACCUMULATE, ACCUMULATE_ALL or ACCUMULATE_FLAGGED (then ``flags``
+    is a bool ``[E]``). With blocks, BLOCK_M is cut to the block. fast_accum: for one scale per group,
+    let Hopper's tensor cores accumulate the whole group in their reduced-precision FP8 accumulation
+    rather than promoting every BLOCK_M rows into fp32. ValueError for a token block or a row count Mp
+    that the layout does not allow.
     """
     M, K = a.shape
     N = b.shape[1]
@@ -230,12 +214,13 @@ def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     if block is not None and (block < FP8_MIN_STEP or block & (block - 1)):
         raise ValueError(f"the token block of the scales must be a power of two of at least {FP8_MIN_STEP}, "
                          f"got {block}")
+    if M % GROUP_ALIGN or M < GROUP_ALIGN * E or b.shape[0] != M:
+        raise ValueError(f"a and b must have the rows Mp = 16 * (cdiv(M, 16) + E) of operands quantized per group "
+                         f"(E={E}), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     bm = config.block_m if block is None else min(config.block_m, block)
     bn, bk = config.block_n, config.block_k
     a_t, b_t = a.t(), b.t()
-    # A TMA window must start 16-byte aligned, so it starts before the group where the group does not,
-    # and then straddles two token blocks of the scales: blockwise scales take the pointer path.
-    use_tma = info.tma and block is None and info.tma_ok(a_t) and info.tma_ok(b_t)
+    use_tma = info.tma and info.tma_ok(a_t) and info.tma_ok(b_t)
     a_arg = info.descriptor(a_t, [bk, bm]) if use_tma else a
     b_arg = info.descriptor(b_t, [bn, bm]) if use_tma else b
     total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
@@ -256,8 +241,7 @@ def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         MAX_IMPRECISE_ACC=None if fast_accum or block is not None else bm,
         NUM_PROGRAMS=num_programs, E_POW2=next_power_of_2(E + 1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        ACCUMULATE=accumulate, USE_TMA=use_tma, ALIGN=_TMA_WINDOW_ALIGN // a.element_size() if use_tma else 1,
-        UPCAST=info.upcast,
+        ACCUMULATE=accumulate, USE_TMA=use_tma, UPCAST=info.upcast,
         BY_WORK=config.by_work, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=config.flatten,
         TMA_STORE=tma_store,
         num_warps=config.num_warps, num_stages=config.num_stages,

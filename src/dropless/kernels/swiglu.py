@@ -1,4 +1,5 @@
-"""Gated activations of the MoE experts (SwiGLU, GeGLU), on the fused gate+up layout.
+"""Gated activations of the MoE experts (SwiGLU, GeGLU), on the fused gate+up layout, with an optional
+FP8 copy of the output for the down projection.
 
     h = [gate | up]   [M, 2F]: the output of the fused gate+up grouped GEMM
     a = act(gate) * up                                   [M, F]
@@ -15,10 +16,29 @@ Both activations are ``g * sigmoid(u(g))``, which gives one formula for the valu
 never NaN. The math runs in fp32 whatever the storage dtype. The backward recomputes act from h
 rather than reading a saved ``a``: one read of h instead of a second [M, F] tensor kept alive.
 
+The quantized copy is ``a`` quantized along F (the down projection's K) as ``dropless.quantize(a,
+recipe, dim=-1)`` does it, bit for bit: it is made from the values of ``a`` as stored (rounded to a's
+dtype), not from the fp32 products, so that the down projection's forward (this copy) and its weight
+gradient (``a`` quantized along the tokens) see one and the same ``a``, and an FP8 layer gives the
+bits it gives without the fusion. The quantization itself is ``kernels/quantize.py``'s (``_scale``,
+``_to_fp8``), so the two cannot drift apart. ``a`` is still written: the weight gradient and autograd
+need it.
+- block128 / mxfp8 (1 x B blocks along F): the tiles of the 2-D grid span whole blocks (BLOCK_F a
+  multiple of B, masked past F), so each program quantizes its own tile from registers. h is read
+  once, ``a``, the data and the scales are written once.
+- rowwise (one scale per row over all F): a program owns BLOCK_M whole rows. When a row fits in one
+  tile (F <= 4096) the scale is the tile's row maximum and everything stays in registers. Wider rows
+  walk F twice: the first loop writes ``a`` and takes the row maximum, the second reads ``a`` back and
+  quantizes it. Reading ``a`` back rather than recomputing it from h costs half the bytes (F elements
+  a row against h's 2F), and they come from L2, where the row this program just wrote still is (a
+  program owns one row then: 28 KiB at F = 14336 in bf16), so DRAM sees h read once and ``a`` written
+  once. A barrier orders the two loops, as the second may read elements other threads wrote.
+
 A 2-D grid of programs, one per ``BLOCK_M x BLOCK_F`` tile of ``a``: row blocks on grid axis 0
-(up to 2^31 - 1 of them), column blocks on axis 1 (at most 65535). Row and column offsets are
-64-bit, so ``M * 2F`` (or a large row stride) can exceed 2^31. Every operand is addressed through its
-strides; unit column strides are specialized by Triton at compile time and vectorize.
+(up to 2^31 - 1 of them), column blocks on axis 1 (at most 65535; one column block for rowwise).
+Row and column offsets are 64-bit, so ``M * 2F`` (or a large row stride) can exceed 2^31. Every
+operand is addressed through its strides; unit column strides are specialized by Triton at compile
+time and vectorize.
 """
 
 from __future__ import annotations
@@ -27,7 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
+from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
+from dropless.kernels.quantize import _magnitude, _raw, _scale, _to_fp8
+from dropless.quantized import Recipe
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -35,6 +57,8 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # elementwise kernel without starving the grid on small M.
 _BLOCK_ELEMENTS = 4096
 _MAX_BLOCK_F = 256
+# Rowwise: the widest row one tile holds (the same 16 elements a thread); wider rows take two loops.
+_MAX_ROW_BLOCK_F = _BLOCK_ELEMENTS
 _NUM_WARPS = 8
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 GELU_K = tl.constexpr(0.044715)
@@ -61,54 +85,129 @@ def _gate_derivative(g, s, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _load_gate_up(h_rows, cols, mask, F, stride_hf):
+    """The gate and up columns ``cols`` of the rows ``h_rows``, in fp32 (0 where masked)."""
+    # The up half starts F columns on: cols + F stays 64-bit, so a large column stride cannot overflow.
+    g = tl.load(h_rows + cols[None, :] * stride_hf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_rows + (cols + F)[None, :] * stride_hf, mask=mask, other=0.0).to(tl.float32)
+    return g, u
+
+
+@triton.jit
+def _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVATION: tl.constexpr):
+    """Write the tile ``a = act(gate) * up`` and return it as written (rounded to out's dtype) in fp32,
+    0 where masked."""
+    g, u = _load_gate_up(h_rows, cols, mask, F, stride_hf)
+    a = (g * _gate_sigmoid(g, ACTIVATION) * u).to(out_rows.dtype.element_ty)
+    tl.store(out_rows + cols[None, :] * stride_of, a, mask=mask)
+    return a.to(tl.float32)
+
+
+@triton.jit
 def _glu_kernel(
-    h, da, out,
-    M, F,
-    stride_hm, stride_hf, stride_dam, stride_daf, stride_om, stride_of,
-    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    h, da, out, data, scale,
+    M, F, SCALE_COLS,
+    stride_hm, stride_hf, stride_dam, stride_daf, stride_om, stride_of, stride_qm, stride_sm,
+    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, QUANTIZE: tl.constexpr, QBLOCK: tl.constexpr,
+    MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    """Forward: ``out [M, F] = act(gate) * up``. Backward: ``out [M, 2F] = [dgate | dup]``."""
+    """Forward: ``out [M, F] = act(gate) * up``. Backward: ``out [M, 2F] = [dgate | dup]``.
+
+    QUANTIZE (forward): also write ``a`` quantized along F, ``data [M, F]`` (unit column stride) and
+    ``scale [M, SCALE_COLS]`` (fp32, or E8M0 bytes when MX), one scale per QBLOCK columns of a tile
+    (BLOCK_F a multiple of it; QBLOCK = BLOCK_F >= F for a rowwise row in one tile), or, QBLOCK = 0,
+    one per row over F wider than a tile, the program walking its rows twice.
+    """
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-
-    # The up half starts F columns on: cols + F stays 64-bit, so a large column stride cannot overflow.
+    row_ok = rows < M
     h_rows = h + rows[:, None] * stride_hm
-    g = tl.load(h_rows + cols[None, :] * stride_hf, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_rows + (cols + F)[None, :] * stride_hf, mask=mask, other=0.0).to(tl.float32)
-    s = _gate_sigmoid(g, ACTIVATION)
-    act = g * s
-
     out_rows = out + rows[:, None] * stride_om
-    if BACKWARD:
-        d = tl.load(da + rows[:, None] * stride_dam + cols[None, :] * stride_daf, mask=mask, other=0.0)
-        d = d.to(tl.float32)
-        dgate = d * u * _gate_derivative(g, s, ACTIVATION)
-        tl.store(out_rows + cols[None, :] * stride_of, dgate.to(out.dtype.element_ty), mask=mask)
-        tl.store(out_rows + (cols + F)[None, :] * stride_of, (d * act).to(out.dtype.element_ty), mask=mask)
+    data_rows = data + rows[:, None] * stride_qm
+
+    if QUANTIZE and QBLOCK == 0:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
+            a = _forward_tile(h_rows, out_rows, cols, row_ok[:, None] & (cols < F)[None, :], F, stride_hf,
+                              stride_of, ACTIVATION)
+            amax = tl.maximum(amax, tl.max(_magnitude(a), axis=1))
+        s = _scale(amax, False, POW2, False)
+        # The second loop reads back what every thread of the program wrote in the first.
+        tl.debug_barrier()
+        for f0 in range(0, F, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
+            mask = row_ok[:, None] & (cols < F)[None, :]
+            a = tl.load(out_rows + cols[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
+            tl.store(data_rows + cols[None, :], _to_fp8(a, s[:, None], False, EMULATE_FP8), mask=mask)
+        tl.store(scale + rows * stride_sm, s, mask=row_ok)
     else:
-        tl.store(out_rows + cols[None, :] * stride_of, (act * u).to(out.dtype.element_ty), mask=mask)
+        cols = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = row_ok[:, None] & (cols < F)[None, :]
+        if BACKWARD:
+            g, u = _load_gate_up(h_rows, cols, mask, F, stride_hf)
+            s = _gate_sigmoid(g, ACTIVATION)
+            act = g * s
+            d = tl.load(da + rows[:, None] * stride_dam + cols[None, :] * stride_daf, mask=mask, other=0.0)
+            d = d.to(tl.float32)
+            dgate = d * u * _gate_derivative(g, s, ACTIVATION)
+            tl.store(out_rows + cols[None, :] * stride_of, dgate.to(out.dtype.element_ty), mask=mask)
+            tl.store(out_rows + (cols + F)[None, :] * stride_of, (d * act).to(out.dtype.element_ty), mask=mask)
+        else:
+            a = _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVATION)
+            if QUANTIZE:
+                # Masked elements are 0, so they never raise a block's amax.
+                a3 = tl.reshape(a, (BLOCK_M, BLOCK_F // QBLOCK, QBLOCK))
+                s = _scale(tl.max(_magnitude(a3), axis=2), MX, POW2, RCEIL)
+                q = tl.reshape(_to_fp8(a3, s[:, :, None], MX, EMULATE_FP8), (BLOCK_M, BLOCK_F))
+                tl.store(data_rows + cols[None, :], q, mask=mask)
+                blocks = pid_f * (BLOCK_F // QBLOCK) + tl.arange(0, BLOCK_F // QBLOCK)
+                tl.store(scale + rows[:, None] * stride_sm + blocks[None, :], s.to(scale.dtype.element_ty),
+                         mask=row_ok[:, None] & (blocks < SCALE_COLS)[None, :])
 
 
-def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activation: str) -> None:
+def _tile_f(F: int, recipe: Recipe | None) -> tuple[int, int]:
+    """``(BLOCK_F, QBLOCK)``: the tile width along F and the columns per scale inside it (0: one scale a
+    row over several tiles). Blockwise tiles span whole blocks; rowwise ones the whole row if it fits."""
+    block_f = max(next_power_of_2(F), 16)
+    if recipe is None:
+        return min(block_f, _MAX_BLOCK_F), 0
+    if recipe.block is not None:
+        block_f = max(min(block_f, _MAX_BLOCK_F), recipe.block)
+        return block_f, recipe.block
+    if block_f <= _MAX_ROW_BLOCK_F:
+        return block_f, block_f
+    return _MAX_ROW_BLOCK_F, 0
+
+
+def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activation: str,
+            data: torch.Tensor | None = None, scale: torch.Tensor | None = None, recipe: Recipe | None = None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     launch_info(h.device)  # a clear error for a CPU tensor outside the interpreter
     M, F = h.shape[0], h.shape[1] // 2
-    if M == 0 or F == 0:
+    quantize = recipe is not None
+    # Rows of no columns still get their rowwise scale (1), as dropless.quantize writes it.
+    if M == 0 or (F == 0 and not quantize):
         return
-    block_f = min(max(next_power_of_2(F), 16), _MAX_BLOCK_F)
-    block_m = _BLOCK_ELEMENTS // block_f
-    grid = (cdiv(M, block_m), cdiv(F, block_f))
+    block_f, qblock = _tile_f(F, recipe)
+    block_m = max(_BLOCK_ELEMENTS // block_f, 1)
+    grid = (cdiv(M, block_m), 1 if quantize and recipe.block is None else max(cdiv(F, block_f), 1))
     backward = da is not None
     da_arg = da if backward else h  # unread in the forward; any tensor fills the slot
+    data_arg = data if quantize else out  # likewise unread without a quantized copy
+    scale_arg = _raw(scale) if quantize else out
     _glu_kernel[grid](
-        h, da_arg, out,
-        M, F,
+        h, da_arg, out, data_arg, scale_arg,
+        M, F, scale.shape[1] if quantize else 0,
         h.stride(0), h.stride(1), da_arg.stride(0), da_arg.stride(1), out.stride(0), out.stride(1),
-        ACTIVATION=activation, BACKWARD=backward, BLOCK_M=block_m, BLOCK_F=block_f,
+        data_arg.stride(0), scale_arg.stride(0),
+        ACTIVATION=activation, BACKWARD=backward, QUANTIZE=quantize, QBLOCK=qblock,
+        MX=quantize and recipe.name == "mxfp8", POW2=quantize and recipe.pow2,
+        RCEIL=quantize and recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
+        BLOCK_M=block_m, BLOCK_F=block_f,
         num_warps=_NUM_WARPS,
     )
 
@@ -120,6 +219,20 @@ def glu_forward(h: torch.Tensor, a: torch.Tensor, activation: str) -> None:
     interpreter); bf16, fp16 or fp32. activation: ``"silu"`` or ``"gelu_tanh"``.
     """
     _launch(h, None, a, activation)
+
+
+def glu_forward_quantized(h: torch.Tensor, a: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                          activation: str, recipe: Recipe) -> None:
+    """``glu_forward``, and ``a`` quantized along F with ``recipe`` into ``data`` and ``scale``, from the
+    same read of h; arguments are already checked by the caller.
+
+    recipe: an activation recipe, ``"rowwise"``, ``"block128"`` or ``"mxfp8"`` (any pow2 / mx_rounding).
+    data: float8_e4m3fn ``[M, F]``, unit column stride; scale: contiguous, ``[M, 1]`` (rowwise) or
+    ``[M, cdiv(F, block)]``, fp32 or float8_e8m0fnu (mxfp8). They hold ``dropless.quantize(a, recipe,
+    dim=-1)``'s bits: the quantization reads a's values as written, in a's dtype. Every element of a,
+    data and scale is written; nothing syncs with the host.
+    """
+    _launch(h, None, a, activation, data, scale, recipe)
 
 
 def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: str) -> None:

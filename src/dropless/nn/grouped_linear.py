@@ -12,7 +12,7 @@ from dropless.ops.autocast import autocast_operands
 from dropless.ops.group_bias import add_group_bias
 from dropless.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 from dropless.ops.grouped_mm_fp8 import Fp8GroupedMM, resolve_recipe
-from dropless.ops.quantize import quantize_weight
+from dropless.ops.quantize import check_quantized, quantize_weight
 from dropless.quantized import QuantizedTensor, Recipe, operand_recipes
 
 
@@ -127,7 +127,8 @@ class GroupedLinear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
-                wgrad_accumulation_mask: torch.Tensor | None = None) -> torch.Tensor:
+                wgrad_accumulation_mask: torch.Tensor | None = None,
+                x_quantized: QuantizedTensor | None = None) -> torch.Tensor:
         """Apply expert e to its rows.
 
         Args:
@@ -137,6 +138,12 @@ class GroupedLinear(nn.Module):
             wgrad_accumulation_mask: with ``fuse_wgrad_accumulation``, an optional bool ``[E]``
                 tensor on x's device: experts marked True add their gradient into ``main_grad``,
                 the others overwrite it (the first micro-batch of a step). Default: all add.
+            x_quantized: with a recipe, x already quantized along in_features with the layer's
+                activation recipe (``dropless.quantize(x, recipe, dim=-1)``, or the FP8 copy that
+                ``swiglu(h, recipe=...)`` writes with x): the forward product reads it instead of
+                quantizing x. It must hold x's values as the layer reads them (after autocast); its
+                layout is checked, its values are not. x itself is still needed: the weight
+                gradient quantizes it along the tokens.
         Returns:
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
@@ -148,8 +155,10 @@ class GroupedLinear(nn.Module):
         if fused:
             accumulate = (wgrad_accumulation_mask if wgrad_accumulation_mask is not None
                           else torch.ones(self.num_experts, dtype=torch.bool, device=x.device))
+        if x_quantized is not None:
+            self._check_x_quantized(x_quantized, x)
         if self.recipe is not None:
-            y = self._forward_fp8(x, offsets, accumulate if fused else None)
+            y = self._forward_fp8(x, offsets, accumulate if fused else None, x_quantized)
         else:
             x, weight = autocast_operands(x, self.weight)
             if fused:
@@ -160,13 +169,32 @@ class GroupedLinear(nn.Module):
             y = add_group_bias(y, self.bias, offsets)
         return y
 
-    def _forward_fp8(self, x: torch.Tensor, offsets: torch.Tensor, accumulate: torch.Tensor | None) -> torch.Tensor:
-        """The FP8 product with the cached weight copies; x quantized from the autocast dtype."""
+    def _check_x_quantized(self, q: object, x: torch.Tensor) -> None:
+        """``q`` is x quantized along in_features as this layer's FP8 forward would quantize it."""
+        if self.recipe is None:
+            raise ValueError("x_quantized needs a layer with a recipe (an FP8 GroupedLinear); this one has none")
+        check_quantized("x_quantized", q, ndim=2, dim=1)
+        act, _ = operand_recipes(self.recipe)
+        if q.recipe != act:
+            raise ValueError(f"x_quantized was quantized with {q.recipe}, but this layer quantizes x with {act}")
+        if q.shape != x.shape or q.device != x.device:
+            raise ValueError(f"x_quantized must have x's shape {tuple(x.shape)} on {x.device}, got "
+                             f"{tuple(q.shape)} on {q.device}")
+        (cast,) = autocast_operands(x)
+        if cast.dtype != x.dtype:
+            raise ValueError(f"x_quantized: autocast casts x from {x.dtype} to {cast.dtype} before quantizing it, "
+                             f"so a copy quantized from x as given would differ; pass x in {cast.dtype}")
+
+    def _forward_fp8(self, x: torch.Tensor, offsets: torch.Tensor, accumulate: torch.Tensor | None,
+                     x_quantized: QuantizedTensor | None) -> torch.Tensor:
+        """The FP8 product with the cached weight copies; x quantized from the autocast dtype, unless
+        its copy ``x_quantized`` (already checked) is given."""
         (x,) = autocast_operands(x)
         wk, wn = self.weight_cache.get(self.weight, self.recipe)
         main_grad = self.weight.main_grad.transpose(1, 2) if accumulate is not None else None
+        xq = (x_quantized.data, x_quantized.scale) if x_quantized is not None else (None, None)
         y = Fp8GroupedMM.apply(x, self.weight.transpose(1, 2), offsets, wk.data, wk.scale, wn.data, wn.scale,
-                               self.recipe, main_grad, accumulate)
+                               self.recipe, main_grad, accumulate, *xq)
         if accumulate is not None and hasattr(self.weight, "grad_added_to_main_grad"):
             self.weight.grad_added_to_main_grad = True
         return y

@@ -41,6 +41,7 @@ class MoE(nn.Module):
     the fused gate and up projections (``N = 2 * d_ff``) -> gated activation -> grouped down GEMM ->
     unpermute (each token's weighted sum of its experts' outputs) [+ shared experts]. No step reads
     the routing on the host, so the layer, forward and backward, can be captured in a CUDA graph.
+    With a recipe, the gated activation writes its output in FP8 too, the down GEMM's forward operand.
 
     Args:
         d_model, d_ff: model width and each expert's hidden width.
@@ -107,7 +108,14 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids, self.num_experts)
         h = self.experts_gate_up(x_sorted, group_sizes)
-        out_sorted = self.experts_down(ACTIVATIONS[self.activation](h), group_sizes)
+        activation = ACTIVATIONS[self.activation]
+        if self.experts_down.recipe is None:
+            out_sorted = self.experts_down(activation(h), group_sizes)
+        else:
+            # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
+            # forward reads instead of quantizing the activation again.
+            a, a_fp8 = activation(h, recipe=self.experts_down.recipe)
+            out_sorted = self.experts_down(a, group_sizes, x_quantized=a_fp8)
         y = unpermute(out_sorted, sorted_to_token_slot, routing.weights, offsets)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)

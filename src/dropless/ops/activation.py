@@ -6,6 +6,10 @@ stacked along the output dimension): ``gate = h[:, :F]``, ``up = h[:, F:]``. Bot
 implementation (``torch.compile`` traces through it) and a registered backward, itself the custom op
 ``dropless::glu_backward``; eager calls on plain tensors skip the dispatcher (``ops.direct``). The
 backward recomputes the activation from h: h is saved, not ``a``.
+
+With ``recipe=`` they also return ``a`` quantized to FP8 along F, the operand the down projection's FP8
+forward reads, written by the activation kernel from the same read of h (``dropless::glu_quantized``,
+the same backward: the FP8 copy has no gradient).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ import torch
 
 from dropless import reference
 from dropless.backend import use_triton
-from dropless.kernels.swiglu import glu_backward, glu_forward
+from dropless.kernels.swiglu import glu_backward, glu_forward, glu_forward_quantized
 from dropless.ops.checks import REFERENCE_DTYPES, TRITON_DTYPES, check_matrix, check_tensor
 from dropless.ops.direct import DirectOp
+from dropless.ops.grouped_mm_fp8 import resolve_recipe
+from dropless.ops.quantize import _resolve_recipe, empty_quantized
+from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
 def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -29,6 +36,25 @@ def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
 
 def _glu_fake(h: torch.Tensor, activation: str) -> torch.Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
+def _glu_quantized(h: torch.Tensor, activation: str, recipe: str, pow2: bool, mx_rounding: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a, data, scale)``: a as ``_glu``, and a quantized along F with the recipe named ``recipe``."""
+    r = get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding)
+    if not use_triton(h.device):
+        a = reference.glu(h, activation)
+        return a, *reference.quantize(a, r, 1)
+    a = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
+    data, scale = empty_quantized(a.shape, r, 1, None, h.device)
+    glu_forward_quantized(h, a, data, scale, activation, r)
+    return a, data, scale
+
+
+def _glu_quantized_fake(h: torch.Tensor, activation: str, recipe: str, pow2: bool, mx_rounding: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = h.new_empty(h.shape[0], h.shape[1] // 2)
+    return a, *empty_quantized(a.shape, get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding), 1, None, h.device)
 
 
 def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
@@ -45,47 +71,70 @@ def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> to
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, activation = inputs
+    h, activation = inputs[:2]
     ctx.save_for_backward(h)
     ctx.activation = activation
+    if isinstance(output, tuple):  # glu_quantized: its FP8 copy (data, scale) has no gradient
+        ctx.mark_non_differentiable(*output[1:])
 
 
-def _backward(ctx, da: torch.Tensor):
+def _backward(ctx, da: torch.Tensor, *fp8_grads):
+    """``dh`` from ``da`` alone; every input after h (the activation, a recipe) is not a tensor."""
     (h,) = ctx.saved_tensors
-    return _GLU_BACKWARD(h, da, ctx.activation), None
+    return _GLU_BACKWARD(h, da, ctx.activation), *([None] * (len(ctx.needs_input_grad) - 1))
 
 
 _GLU = DirectOp.define("glu", _glu, _glu_fake, backward=_backward, setup_context=_setup_context)
+_GLU_QUANTIZED = DirectOp.define("glu_quantized", _glu_quantized, _glu_quantized_fake, backward=_backward,
+                                 setup_context=_setup_context)
 _GLU_BACKWARD = DirectOp.define("glu_backward", _glu_backward, _glu_backward_fake)
 
 
-def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
+def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None
+           ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     check_tensor("h", h)
-    check_matrix("h", h, 2, TRITON_DTYPES if use_triton(h.device) else REFERENCE_DTYPES)
+    quantized = recipe is not None
+    check_matrix("h", h, 2, TRITON_DTYPES if use_triton(h.device) or quantized else REFERENCE_DTYPES)
     if h.shape[1] % 2:
         raise ValueError(f"h must have an even last dimension 2F (the gate and up halves, [M, 2F]), "
                          f"got shape {tuple(h.shape)}")
-    return _GLU(h, activation)
+    if not quantized:
+        return _GLU(h, activation)
+    act, _ = operand_recipes(resolve_recipe(recipe))
+    act = _resolve_recipe(act, None, None)  # its options checked as dropless.quantize checks them
+    a, data, scale = _GLU_QUANTIZED(h, activation, act.name, act.pow2, act.mx_rounding)
+    return a, QuantizedTensor(data, scale, act, 1)
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
+           ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """SwiGLU on the fused gate+up layout: ``a = silu(h[:, :F]) * h[:, F:]``.
 
     Args:
         h: ``[M, 2F]``, gate columns then up columns; bf16, fp16 or fp32 (fp64 on the reference
-            backend); any strides (a column slice of a wider matrix is read in place, no copy).
+            backend without a recipe); any strides (a column slice of a wider matrix is read in place,
+            no copy).
+        recipe: also return ``a`` quantized to FP8 along F for an FP8 grouped GEMM of this recipe
+            (``"rowwise"``, ``"block128"``, ``"mxfp8"`` or a ``dropless.Recipe``, resolved as the GEMMs
+            resolve it: ``"mxfp8"`` by name rounds its scales ``"rceil"``), made by the same kernel from
+            the same read of h.
     Returns:
         ``a [M, F]`` in h's dtype, computed in fp32. Differentiable in h: ``dh [M, 2F]`` in h's
-        dtype, recomputed from h in the backward. No host sync.
+        dtype, recomputed from h in the backward. With a recipe, ``(a, a_fp8)``: ``a_fp8`` is the
+        ``QuantizedTensor`` of ``dropless.quantize(a, recipe, dim=-1)``, bit for bit (quantized from
+        a's values as rounded to its dtype): data float8_e4m3fn ``[M, F]`` row-major, scale ``[M, 1]``
+        (rowwise) or ``[M, cdiv(F, block)]``, fp32 or float8_e8m0fnu (mxfp8); it carries no gradient.
+        No host sync.
     """
-    return _gated(h, "silu")
+    return _gated(h, "silu", recipe)
 
 
-def geglu(h: torch.Tensor) -> torch.Tensor:
+def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
+          ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """GeGLU (tanh approximation) on the fused gate+up layout: ``a = gelu_tanh(h[:, :F]) * h[:, F:]``.
 
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, as
-    ``torch.nn.functional.gelu(g, approximate="tanh")``. Shapes, dtypes, layouts and gradient as
-    ``swiglu``.
+    ``torch.nn.functional.gelu(g, approximate="tanh")``. Shapes, dtypes, layouts, the FP8 copy with a
+    ``recipe`` and the gradient as ``swiglu``.
     """
-    return _gated(h, "gelu_tanh")
+    return _gated(h, "gelu_tanh", recipe)

@@ -201,12 +201,13 @@ def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | Quant
         _check_fp8_operands(x, "dy", dy, 2)
     else:
         _check_operands(x, "dy", dy, 2)
-    if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"dy must have x's number of rows M={x.shape[0]}, got shape {tuple(dy.shape)}")
+    M = _rows(x)
+    if _rows(dy) != M:
+        raise ValueError(f"dy must have x's number of rows M={M}, got {_rows(dy)} (shape {tuple(dy.shape)})")
     source = offsets if offsets is not None else group_sizes
     E = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() == 1 else -1
     offsets = resolve_offsets(offsets, group_sizes, E, x.device)
-    validate_offsets(offsets, x.shape[0])
+    validate_offsets(offsets, M)
     K, N = x.shape[1], dy.shape[1]
     if out is None:
         if accumulate is not False:
@@ -244,5 +245,13 @@ def _check_fp8_operands(a: torch.Tensor | QuantizedTensor, name: str, b: torch.T
     check_same_device(a.device, **{name: b.data if isinstance(b, QuantizedTensor) else b})
     if b_ndim == 3 and b.shape[1] != a.shape[1]:
         raise ValueError(f"{name} must have shape [E, K={a.shape[1]}, N] to match x [M, K], got {tuple(b.shape)}")
-    if b_ndim == 2 and b.shape[0] != a.shape[0]:
-        raise ValueError(f"{name} must have x's number of rows M={a.shape[0]}, got shape {tuple(b.shape)}")
+    if b_ndim == 2 and _rows(b) != _rows(a):
+        raise ValueError(f"{name} must have x's number of rows M={_rows(a)}, got {_rows(b)} (shape {tuple(b.shape)})")
+
+
+def _rows(t: torch.Tensor | QuantizedTensor) -> int:
+    """M of a wgrad operand: its rows, or those of the tensor a per-group QuantizedTensor was quantized
+    from (its data has ``16 * (cdiv(M, 16) + E)``)."""
+    if isinstance(t, QuantizedTensor) and t.offsets is not None and isinstance(t.tokens, int):
+        return t.tokens
+    return t.shape[0]

@@ -9,7 +9,9 @@ weight is quantized in both orientations by one kernel (``quantize_weight``); a 
 pair for as long as the weight does not change (``GroupedLinear`` does, per weight version) pays that
 once per optimizer step. The three products are ``torch.library`` custom ops on raw tensors (data,
 scale, recipe name), so ``torch.compile`` traces the autograd function that composes them; nothing
-reads group sizes on the host.
+reads group sizes on the host. The wgrad's operands are quantized per group along the tokens, every
+group starting at a 16-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
+its kernel reads them through TMA whatever the recipe.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACC
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
 from dropless.ops.quantize import check_quantized, quantize, quantize_weight
-from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
+from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
 def swap_weight(q: QuantizedTensor) -> QuantizedTensor:
@@ -36,7 +38,11 @@ def _operands(a_data, a_scale, b_data, b_scale, recipe: str, offsets, token_dim:
     """The QuantizedTensors of a product's raw operands, as the GEMM recipe ``recipe`` lays them out."""
     act, weights = operand_recipes(get_recipe(recipe))
     if token_dim:
-        return (QuantizedTensor(a_data, a_scale, act, 0, offsets), QuantizedTensor(b_data, b_scale, act, 0, offsets))
+        # The raw data tells M only rounded up to 16 (Mp - 16 E), the bound the kernel clamps groups to;
+        # the product reads no token past offsets[-1], so that stands for M.
+        tokens = a_data.shape[0] - GROUP_ALIGN * offsets.shape[0]
+        return (QuantizedTensor(a_data, a_scale, act, 0, offsets, tokens),
+                QuantizedTensor(b_data, b_scale, act, 0, offsets, tokens))
     return QuantizedTensor(a_data, a_scale, act, 1), QuantizedTensor(b_data, b_scale, weights, 1)
 
 
@@ -46,7 +52,9 @@ def _ragged_m(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor,
     if not use_triton(a_data.device):
         return reference.grouped_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), offsets).to(out_dtype)
     y = torch.empty(a_data.shape[0], b_data.shape[2], dtype=out_dtype, device=a_data.device)
-    if y.numel() > 0:
+    if a_data.shape[1] == 0:
+        y.zero_()
+    elif y.numel() > 0:
         launch_ragged_m_fp8(a, b, offsets, y)
     return y
 
@@ -115,14 +123,20 @@ class Fp8GroupedMM(torch.autograd.Function):
     forward(x [M, K], w [E, K, N], offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad,
     accumulate): x in bf16/fp16/fp32, w the (unquantized) weight the gradient is for; ``main_grad``
     (an fp32 ``[E, K, N]`` view) receives the weight gradient in place instead of ``w``'s gradient,
-    added for the experts whose ``accumulate`` flag is set (a bool ``[E]`` tensor).
+    added for the experts whose ``accumulate`` flag is set (a bool ``[E]`` tensor). ``xq_data, xq_scale``
+    (optional): x already quantized along K with the recipe's activation recipe, by the kernel that
+    produced x (``swiglu(h, recipe=...)``); the forward then reads them instead of quantizing x along
+    K. x is still what the weight gradient quantizes along the tokens.
     """
 
     @staticmethod
-    def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate):
+    def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate,
+                xq_data=None, xq_scale=None):
         act, _ = operand_recipes(recipe)
-        xq = quantize(x, act, dim=1)
-        y = RAGGED_M(xq.data, xq.scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
+        if xq_data is None:
+            xq = quantize(x, act, dim=1)
+            xq_data, xq_scale = xq.data, xq.scale
+        y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
         wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
         # Saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand.
         xt = quantize(x, act, dim=0, offsets=offsets) if wants_wgrad else None
@@ -148,13 +162,13 @@ class Fp8GroupedMM(torch.autograd.Function):
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
         if ctx.wants_wgrad:
             dyt = quantize(dy, act, dim=0, offsets=offsets)
-            xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets)
+            xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             if ctx.main_grad is not None:
                 quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)
             elif ctx.needs_input_grad[1]:
                 dw = quantized_wgrad(xt, dyt, offsets, recipe, None, None, False, ctx.w_dtype, ctx.w_nk)
                 dw = dw.transpose(1, 2) if ctx.w_nk else dw
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 def _fp8_capable(device: torch.device) -> None:

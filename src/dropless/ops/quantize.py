@@ -22,14 +22,15 @@ from dropless.kernels.launch import cdiv
 from dropless.kernels.quantize import quantize_along, quantize_weight_3d
 from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets
 from dropless.ops.direct import DirectOp
-from dropless.quantized import FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe
+from dropless.quantized import FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def scale_shape(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: int | None = None) -> tuple[int, ...]:
-    """The shape of the scales of a tensor of ``shape`` quantized along ``dim`` (non-negative) with
-    ``recipe``, per group of ``num_groups`` along dim 0 when given (``dropless.quantized``'s layouts)."""
+    """The shape of the scales of a tensor of ``shape`` (x's, ``[M, K]`` per group, not the data's) quantized
+    along ``dim`` (non-negative) with ``recipe``, per group of ``num_groups`` along dim 0 when given
+    (``dropless.quantized``'s layouts)."""
     if num_groups is not None:
         rows = num_groups if recipe.block is None else cdiv(shape[0], recipe.block) + num_groups
         return (rows, shape[1])
@@ -41,9 +42,11 @@ def scale_shape(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: in
 
 def empty_quantized(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: int | None,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized ``(data, scale)`` laid out for ``recipe`` along ``dim``: data float8_e4m3fn of
-    ``shape`` with dim contiguous (a view of storage whose last dim is dim), scale contiguous."""
-    storage = [*shape[:dim], *shape[dim + 1:], shape[dim]]
+    """Uninitialized ``(data, scale)`` of a tensor of ``shape`` laid out for ``recipe`` along ``dim``: data
+    float8_e4m3fn of ``shape`` (per group of ``num_groups``: ``[Mp, K]``, ``Mp = grouped_rows(M, E)``) with
+    dim contiguous (a view of storage whose last dim is dim), scale contiguous."""
+    rows = shape[dim] if num_groups is None else grouped_rows(shape[0], num_groups)
+    storage = [*shape[:dim], *shape[dim + 1:], rows]
     data = torch.empty(storage, dtype=FP8_DTYPE, device=device).movedim(-1, dim)
     scale = torch.empty(scale_shape(tuple(shape), recipe, dim, num_groups), dtype=recipe.scale_dtype, device=device)
     return data, scale
@@ -148,8 +151,10 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         mx_rounding: mxfp8's scale exponent, ``"floor"`` (OCP MX, the default) or ``"rceil"``.
     Returns:
         A ``QuantizedTensor``: data float8_e4m3fn of x's shape with unit stride along dim (dim 0 of a
-        2D x: a transposed view of ``[K, M]`` storage), scale contiguous, fp32 or float8_e8m0fnu, as
-        ``dropless.quantized`` lays them out; offsets kept as int32. No host sync on the Triton backend.
+        2D x: a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view of ``[K, Mp]``
+        storage with ``Mp = 16 * (cdiv(M, 16) + E)``, each group starting 16-aligned, zeros between),
+        scale contiguous, fp32 or float8_e8m0fnu, as ``dropless.quantized`` lays them out; offsets kept as
+        int32, and M as ``tokens``. No host sync on the Triton backend.
     """
     r = _resolve_recipe(recipe, pow2, mx_rounding)
     _check_input("x", x, (2, 3))
@@ -169,7 +174,7 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         validate_offsets(offsets, x.shape[0])
         offsets = offsets.to(torch.int32)
     data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding)
-    return QuantizedTensor(data, scale, r, dim, offsets)
+    return QuantizedTensor(data, scale, r, dim, offsets, None if offsets is None else x.shape[0])
 
 
 def quantize_weight(w: torch.Tensor, recipe: str | Recipe, *, pow2: bool | None = None,
@@ -201,7 +206,8 @@ def quantize_weight(w: torch.Tensor, recipe: str | Recipe, *, pow2: bool | None 
 def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int | None = None) -> None:
     """Raise a TypeError or ValueError naming ``name`` unless ``q`` is a ``QuantizedTensor`` laid out as
     ``dropless.quantized`` says: float8_e4m3fn data with unit stride along ``q.dim``, a contiguous scale
-    of its recipe's dtype and shape (per group with offsets), all on one device; with ``ndim`` /
+    of its recipe's dtype and shape (per group with offsets: ``q.tokens`` rows M and data of
+    ``16 * (cdiv(M, 16) + E)`` rows), all on one device; with ``ndim`` /
     ``dim``, also of that rank and quantized along that dim."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"{name} must be a dropless.QuantizedTensor, got {type(q).__name__}")
@@ -229,6 +235,7 @@ def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int |
         raise TypeError(f"{name}.scale must be {q.recipe.scale_dtype} for recipe {q.recipe.name!r}, got {scale.dtype}")
     check_same_device(data.device, **{f"{name}.scale": scale})
     groups = None
+    shape = tuple(data.shape)
     if q.offsets is not None:
         check_tensor(f"{name}.offsets", q.offsets)
         if q.offsets.dim() != 1 or q.offsets.dtype not in INDEX_DTYPES or q.offsets.shape[0] == 0:
@@ -239,7 +246,14 @@ def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int |
             raise ValueError(f"{name} has offsets, which need 2D data quantized along dim 0 with a recipe other "
                              f"than block128x128; got shape {tuple(data.shape)}, dim {q.dim}, recipe {q.recipe.name!r}")
         groups = q.offsets.shape[0]
-    expected = scale_shape(tuple(data.shape), q.recipe, q.dim, groups)
+        if isinstance(q.tokens, bool) or not isinstance(q.tokens, int) or q.tokens < 0:
+            raise ValueError(f"{name}.tokens must be the int number of rows M of the quantized tensor, "
+                             f"got {q.tokens!r}")
+        if data.shape[0] != grouped_rows(q.tokens, groups):
+            raise ValueError(f"{name}.data must have 16 * (cdiv(M, 16) + E) = {grouped_rows(q.tokens, groups)} rows "
+                             f"for M={q.tokens} tokens in E={groups} groups, got shape {shape}")
+        shape = (q.tokens, data.shape[1])
+    expected = scale_shape(shape, q.recipe, q.dim, groups)
     if tuple(scale.shape) != expected:
         raise ValueError(f"{name}.scale must have shape {list(expected)} for recipe {q.recipe.name!r} along dim "
                          f"{q.dim}{' per group' if groups else ''} of data {tuple(data.shape)}, "
