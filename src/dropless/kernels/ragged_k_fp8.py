@@ -41,6 +41,7 @@ from dropless.quantized import GROUP_ALIGN
 
 _GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of the operands starts at a multiple of it
 
+
 @triton.jit
 def _load_rows(a, b, row0, end, k0, n0, N, K, stride_am, stride_ak, stride_bm, stride_bn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

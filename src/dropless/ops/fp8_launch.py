@@ -46,7 +46,8 @@ def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
     if (config is None or config.gluon) and gluon_rowwise_ok(a, b, c):
         from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
 
-        scales = (a.scale.view(-1), b.scale.view(b.shape[0], -1))
+        # The kernel reads a row's scales and an expert's column scales at unit stride.
+        scales = (a.scale.reshape(-1).contiguous(), b.scale.reshape(b.shape[0], -1).contiguous())
         ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, launch_info(c.device).num_programs,
                            scales)
         return

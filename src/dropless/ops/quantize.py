@@ -145,8 +145,9 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
             two dims), ``"mxfp8"`` (1x32, E8M0 scales), or a ``dropless.Recipe``.
         dim: the quantized (contraction) dim: 0 or 1 (-2, -1) for a 2D x, 1 or 2 (-2, -1) for a 3D x.
         offsets: int32/int64 ``[E]`` cumulative group ends on x's device, for a 2D x along dim 0
-            (the tokens, as a weight gradient reads them): blocks restart at every group start and
-            rows past ``offsets[-1]`` quantize to 0. Not with block128x128. Read on the device.
+            (the tokens, as a weight gradient reads them): blocks restart at every group start, every
+            group starts at a 16-aligned row of the data and rows past ``offsets[-1]`` are not stored.
+            Not with block128x128. Read on the device.
         pow2: round fp32 scales up to powers of two (rowwise, block128, block128x128).
         mx_rounding: mxfp8's scale exponent, ``"floor"`` (OCP MX, the default) or ``"rceil"``.
     Returns:
@@ -205,8 +206,8 @@ def quantize_weight(w: torch.Tensor, recipe: str | Recipe, *, pow2: bool | None 
 
 def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int | None = None) -> None:
     """Raise a TypeError or ValueError naming ``name`` unless ``q`` is a ``QuantizedTensor`` laid out as
-    ``dropless.quantized`` says: float8_e4m3fn data with unit stride along ``q.dim``, a contiguous scale
-    of its recipe's dtype and shape (per group with offsets: ``q.tokens`` rows M and data of
+    ``dropless.quantized`` says: float8_e4m3fn data with unit stride along ``q.dim``, a scale of its
+    recipe's dtype and shape (any strides: a transposed view of a weight's scales is one) (per group with offsets: ``q.tokens`` rows M and data of
     ``16 * (cdiv(M, 16) + E)`` rows), all on one device; with ``ndim`` /
     ``dim``, also of that rank and quantized along that dim."""
     if not isinstance(q, QuantizedTensor):
@@ -258,5 +259,4 @@ def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int |
         raise ValueError(f"{name}.scale must have shape {list(expected)} for recipe {q.recipe.name!r} along dim "
                          f"{q.dim}{' per group' if groups else ''} of data {tuple(data.shape)}, "
                          f"got {tuple(scale.shape)}")
-    if not scale.is_contiguous():
-        raise ValueError(f"{name}.scale must be contiguous, got strides {scale.stride()}")
+
