@@ -49,3 +49,24 @@ def grouped_raster(local_tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (local_tile % width) % group_size_m
     pid_n = (local_tile % width) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def tile_table(offsets_ptr, E, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr):
+    """The ragged-M tile numbering: each group's row range (``group_bounds``, entry E the unrouted tail),
+    its ``BLOCK_M x BLOCK_N`` tile count and the running total of those, as ``[E_POW2]`` vectors."""
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
+    tiles = tl.cdiv(ends - starts, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    return starts, ends, tiles, tl.cumsum(tiles, axis=0)
+
+
+@triton.jit
+def locate_tile(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Ragged-M tile number -> ``(group, group's end row, tile's first row, tile's first column)``."""
+    group = tl.sum((tiles_end <= tile_id).to(tl.int32), axis=0)
+    row_start = pick(starts, group, E_POW2)
+    row_end = pick(ends, group, E_POW2)
+    local_tile = tile_id - pick(tiles_end - tiles, group, E_POW2)
+    pid_m, pid_n = grouped_raster(local_tile, tl.cdiv(row_end - row_start, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    return group, row_end, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N

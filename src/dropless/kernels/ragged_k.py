@@ -79,6 +79,15 @@ def _ragged_k_tile(
         b_tile = tl.where(in_group, b_tile, 0.0)
         acc = tl.dot(a_tile.T, b_tile, acc, input_precision=PRECISION)
 
+    store_tile(acc, c, c_desc, flags_ptr, group, k0, n0, N, K, stride_ce, stride_ck, stride_cn,
+               BLOCK_N, BLOCK_K, ACCUMULATE, TMA_STORE)
+
+
+@triton.jit
+def store_tile(acc, c, c_desc, flags_ptr, group, k0, n0, N, K, stride_ce, stride_ck, stride_cn,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACCUMULATE: tl.constexpr, TMA_STORE: tl.constexpr):
+    """Write the fp32 tile ``acc`` to ``c[group, k0:, n0:]``: overwriting (ACCUMULATE 0), adding to the
+    values there (1), or adding where the group's flag is set and overwriting elsewhere (2)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     ns = n0 + tl.arange(0, BLOCK_N)
     c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn

@@ -35,6 +35,7 @@ import triton.language as tl
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.groups import group_bounds, grouped_raster, pick
 from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
+from dropless.kernels.ragged_k import store_tile
 from dropless.kernels.ragged_m_fp8 import kernel_scale
 from dropless.kernels.scales import FP8_MIN_STEP, SCALE_EPILOGUE, SCALE_PER_STEP, load_scale
 from dropless.quantized import GROUP_ALIGN
@@ -129,17 +130,8 @@ def _ragged_k_fp8_tile(
         sa = load_scale(a_scale + group.to(tl.int64) * stride_sa + ks * stride_sak, (ks < K) & has_rows, A_E8M0)
         sb = load_scale(b_scale + group.to(tl.int64) * stride_sb + ns * stride_sbn, (ns < N) & has_rows, B_E8M0)
         acc *= sa[:, None] * sb[None, :]
-    c_ptrs = c + group.to(tl.int64) * stride_ce + ks.to(tl.int64)[:, None] * stride_ck + ns[None, :] * stride_cn
-    c_mask = (ks < K)[:, None] & (ns < N)[None, :]
-    if ACCUMULATE == 1:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-    elif ACCUMULATE == 2:
-        if tl.load(flags_ptr + group) != 0:
-            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-    if TMA_STORE:
-        c_desc.store([group, k0, n0], acc.to(c_desc.dtype).reshape(1, BLOCK_K, BLOCK_N))
-    else:
-        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=c_mask)
+    store_tile(acc, c, c_desc, flags_ptr, group, k0, n0, N, K, stride_ce, stride_ck, stride_cn,
+               BLOCK_N, BLOCK_K, ACCUMULATE, TMA_STORE)
 
 
 @triton.jit

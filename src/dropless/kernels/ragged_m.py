@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.groups import group_bounds, grouped_raster, pick
+from dropless.kernels.groups import locate_tile, tile_table
 from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2, weight_nk
 
 
@@ -33,22 +33,14 @@ def _ragged_m_kernel(
     B_NK: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
-    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
-    tiles_end = tl.cumsum(tiles, axis=0)
+    starts, ends, tiles, tiles_end = tile_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2)
     total_tiles = tl.sum(tiles, axis=0)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
     for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
                             flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        group = tl.sum((tiles_end <= tile_id).to(tl.int32), axis=0)
-        row_start = pick(starts, group, E_POW2)
-        row_end = pick(ends, group, E_POW2)
-        local_tile = tile_id - pick(tiles_end - tiles, group, E_POW2)
-        pid_m, pid_n = grouped_raster(local_tile, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n, GROUP_M)
-        row0 = row_start + pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
+        group, row_end, row0, col0 = locate_tile(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
+                                                 GROUP_M, E_POW2)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
 
