@@ -11,6 +11,7 @@ import torch
 from test_train import random_text
 
 from dropless.cli import main
+from dropless.train.checkpoint import load_model
 from dropless.train.presets import PRESETS
 
 
@@ -113,3 +114,20 @@ def test_train_then_generate_on_the_gpu(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(out / "checkpoint.safetensors"), "--prompt", "router", "--tokens", "25"]) == 0
     assert capsys.readouterr().out.startswith("router")
+
+
+def test_train_fp8_flag(tmp_path, capsys):
+    """``--fp8 rowwise`` trains with FP8 experts, records the recipe in the checkpoint, and a bad recipe
+    is refused by the parser."""
+    text = random_text(tmp_path / "text.txt", 200)
+    out = tmp_path / "run"
+    assert main(["train", "--fp8", "rowwise", "--data", str(text), "--steps", "2", "--batch-size", "2",
+                 "--seq-len", "16", "--out", str(out), "--device", "cpu"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_config"]["fp8"] == "rowwise"
+    assert all(layer.moe.experts_down.recipe.name == "rowwise"
+               for layer in load_model(out / "checkpoint.safetensors", torch.device("cpu"))[0].blocks)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["train", "--fp8", "fp4"])
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
