@@ -75,22 +75,28 @@ def test_grouped_linear_with_x_quantized_gives_the_same_bits(device, recipe, dty
 
 
 def test_grouped_linear_skips_quantizing_x_along_k(device, monkeypatch):
-    """With x_quantized the forward quantizes x only along the tokens (for the weight gradient)."""
+    """With x_quantized the forward quantizes x only along the tokens (for the weight gradient); without,
+    one ``quantize_pair`` gives both orientations."""
     calls = []
-    original = grouped_mm_fp8.quantize
+    original, original_pair = grouped_mm_fp8.quantize, grouped_mm_fp8.quantize_pair
 
     def recording(x, recipe, dim=-1, offsets=None, **kwargs):
         calls.append((dim, offsets is None))
         return original(x, recipe, dim, offsets, **kwargs)
 
+    def recording_pair(x, recipe, offsets, **kwargs):
+        calls.append("pair")
+        return original_pair(x, recipe, offsets, **kwargs)
+
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
+    monkeypatch.setattr(grouped_mm_fp8, "quantize_pair", recording_pair)
     layer = dropless.GroupedLinear(2, D_FF, 32, recipe="block128", device=device)
     x = torch.randn(40, D_FF, device=device)
     layer(x, [10, 30], x_quantized=dropless.quantize(x, layer.recipe, dim=-1))
     assert calls == [(0, False)]
     calls.clear()
     layer(x, [10, 30])
-    assert calls == [(1, True), (0, False)]
+    assert calls == ["pair"]
 
 
 def test_x_quantized_errors_name_the_argument():
@@ -159,14 +165,19 @@ def test_moe_fused_activation_gives_the_unfused_bits(device, recipe, config, mon
     dy = torch.randn_like(x)
 
     along_k = []
-    original = grouped_mm_fp8.quantize
+    original, original_pair = grouped_mm_fp8.quantize, grouped_mm_fp8.quantize_pair
 
     def recording(t, recipe, dim=-1, offsets=None, **kwargs):
         if dim == 1:
             along_k.append(t.shape[1])
         return original(t, recipe, dim, offsets, **kwargs)
 
+    def recording_pair(t, recipe, offsets, **kwargs):
+        along_k.append(t.shape[1])
+        return original_pair(t, recipe, offsets, **kwargs)
+
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
+    monkeypatch.setattr(grouped_mm_fp8, "quantize_pair", recording_pair)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y1 = fused(x1)
     assert along_k == [D_MODEL], "the down projection quantized the activation again"

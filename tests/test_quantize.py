@@ -17,8 +17,8 @@ from conftest import CUDA, KERNEL_DEVICE, bounds_of, data_rows_of, make_w, offse
 import dropless
 from dropless import reference
 from dropless.kernels import quantize as quantize_kernels
-from dropless.kernels.quantize import quantize_along, quantize_weight_3d
-from dropless.ops.quantize import check_quantized, empty_quantized
+from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
+from dropless.ops.quantize import check_quantized, empty_quantized, quantize_pair
 from dropless.quantized import E8M0_DTYPE, FP8_DTYPE, QuantizedTensor, get_recipe
 
 # (recipe, options): every recipe and option the kernels specialize on.
@@ -34,6 +34,8 @@ RECIPES = [
 GROUP_RECIPES = [r for r in RECIPES if r[0] != "block128x128"]
 RECIPE_IDS = [name + "".join(f"-{v}" for v in opts.values()) for name, opts in RECIPES]
 GROUP_RECIPE_IDS = [i for i in RECIPE_IDS if not i.startswith("block128x128")]
+BLOCK_RECIPES = [r for r in GROUP_RECIPES if r[0] != "rowwise"]
+BLOCK_RECIPE_IDS = [i for i in GROUP_RECIPE_IDS if not i.startswith("rowwise")]
 E4M3_STEP = 2.0**-4  # e4m3 keeps 3 mantissa bits: a rounding error of at most half of 2**-3, relative
 
 
@@ -441,6 +443,68 @@ def test_weight_kernel_writes_every_element(name, opts, E, K, N):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Both orientations of an activation from one launch
+
+
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("sizes, M, K, dtype", [
+    ([0, 70, 0, 80, 50], 200, 72, torch.float32),  # empty groups, sizes not divisible by 16, 32 or 128
+    ([300], 333, 40, torch.float32),  # one giant group over several tiles, 33 rows past offsets[-1]
+    ([0, 0, 0], 37, 72, torch.float32),  # no rows in any group: every row is past offsets[-1]
+    ([33, 1, 130, 31, 5], 213, 290, torch.bfloat16),  # starts at every phase of the blocks, K over two tiles
+    ([0, 0], 0, 72, torch.float32),  # no rows at all
+])
+def test_pair_matches_two_calls(backend, name, opts, sizes, M, K, dtype):
+    """``quantize_pair`` gives what the two separate calls give, bit for bit, NaN rows past offsets[-1]
+    included (quantized along K, absent along the tokens)."""
+    _, device = backend
+    x = planted((M, K), torch.float32)
+    x[sum(sizes):, 3] = float("nan")
+    x = x.to(dtype).to(device)
+    offsets = offsets_of(sizes, device)
+    along_k, along_m = quantize_pair(x, name, offsets, **opts)
+    expected_k = dropless.quantize(x, name, 1, **opts)
+    expected_m = dropless.quantize(x, name, 0, offsets, **opts)
+    assert_same(along_k, expected_k.data, expected_k.scale, f"{name} {sizes} along K")
+    assert_same(along_m, expected_m.data, expected_m.scale, f"{name} {sizes} along the tokens")
+    assert (along_k.dim, along_k.offsets, along_k.recipe) == (1, None, expected_k.recipe)
+    assert along_m.dim == 0 and along_m.tokens == M and along_m.recipe == expected_m.recipe
+    assert along_m.offsets.dtype == torch.int32 and along_m.offsets.tolist() == offsets.tolist()
+    check_quantized("along_k", along_k, ndim=2, dim=1)
+    check_quantized("along_m", along_m, ndim=2, dim=0)
+
+
+@pytest.mark.parametrize("name, opts", BLOCK_RECIPES, ids=BLOCK_RECIPE_IDS)
+@pytest.mark.parametrize("sizes, M", [([0, 30, 0, 25], 77), ([130], 130), ([0, 0], 0), ([0], 50)])
+def test_pair_kernel_writes_every_element(name, opts, sizes, M, monkeypatch):
+    """One launch of the tile kernel fills all four outputs, poisoned beforehand."""
+    recipe = get_recipe(name, **opts)
+    x = planted((M, 40), torch.float32, KERNEL_DEVICE) if M else torch.empty(0, 40, device=KERNEL_DEVICE)
+    offsets = offsets_of(sizes, KERNEL_DEVICE)
+    data_k, scale_k = (poison(t) for t in empty_quantized(x.shape, recipe, 1, None, KERNEL_DEVICE))
+    data_m, scale_m = (poison(t) for t in empty_quantized(x.shape, recipe, 0, len(sizes), KERNEL_DEVICE))
+    launches = []
+    kernel = quantize_kernels._tile_kernel
+    monkeypatch.setattr(quantize_kernels, "_tile_kernel", _Counted(kernel, launches))
+    quantize_both(x, data_k, scale_k, data_m, scale_m, recipe, offsets)
+    assert len(launches) == 1
+    assert_same(QuantizedTensor(data_k, scale_k, recipe, 1), *reference.quantize(x.cpu(), recipe, 1), "along K")
+    assert_same(QuantizedTensor(data_m, scale_m, recipe, 0), *reference.quantize(x.cpu(), recipe, 0, offsets.cpu()),
+                "along the tokens")
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are appended to ``launches``."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+# ---------------------------------------------------------------------------------------------------
 # Argument errors
 
 
@@ -468,6 +532,9 @@ def test_bad_arguments():
         (ValueError, r"^mx_rounding must be one of", lambda: dropless.quantize(x, "mxfp8", mx_rounding="up")),
         (ValueError, r"^pow2 applies to the fp32-scaled recipes", lambda: dropless.quantize(x, "mxfp8", pow2=True)),
         (ValueError, r"^w must have 3 dimensions", lambda: dropless.quantize_weight(x, "mxfp8")),
+        (ValueError, r"^recipe block128x128 cannot restart", lambda: quantize_pair(x, "block128x128", offsets)),
+        (ValueError, r"^x must have 2 dimensions", lambda: quantize_pair(x.view(2, 8, 32), "mxfp8", offsets)),
+        (TypeError, r"^offsets must be a torch.Tensor", lambda: quantize_pair(x, "block128", [8, 16])),
         (TypeError, r"^w must be a floating tensor",
          lambda: dropless.quantize_weight(torch.zeros(2, 8, 32, dtype=torch.int32), "mxfp8")),
     ]
@@ -570,7 +637,9 @@ def test_compile_fullgraph(reference_backend):
     def f(x, offsets, w):
         q = dropless.quantize(x, "mxfp8", 0, offsets)
         wk, wn = dropless.quantize_weight(w, "block128")
-        return q.data.float().sum() + q.scale.float().sum() + wk.data.float().sum() + wn.scale.sum()
+        pk, pm = quantize_pair(x, "block128", offsets)
+        return (q.data.float().sum() + q.scale.float().sum() + wk.data.float().sum() + wn.scale.sum()
+                + pk.data.float().sum() + pm.scale.sum())
 
     x, offsets, w = torch.randn(100, 64), offsets_of([40, 0, 50]), make_w(2, 64, 48, torch.float32, "cpu")
     assert torch.equal(torch.compile(f, fullgraph=True)(x, offsets, w), f(x, offsets, w))

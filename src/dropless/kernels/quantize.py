@@ -22,12 +22,14 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   (a weight's two orientations). With ``offsets`` (2D, along R = tokens), tiles are numbered per group:
   group g owns the program slots ``starts[g] // BLOCK_R + g`` onwards, so ``cdiv(M, BLOCK_R) + E`` slots
   cover every group and the tail past ``offsets[-1]`` (index E, written as zeros) whatever the group
-  sizes, which the host never reads. Each group also owns at least one slot, which writes the scale
-  rows of its empty blocks (1). Group g's data starts at row ``p_g = 16 * (starts[g] // 16 + g)`` of the
-  ``[C, Mp]`` storage; its slots write rows ``p_g`` up to ``p_{g+1}`` (its own rows, then zeros), the
-  tail's up to Mp, so every byte of the data is written, in runs of 16 rows that start 16-aligned: the
-  compiler sees it (``tl.multiple_of``) and stores 16 bytes at a time. The slots reach that far: group g
-  spans ``p_{g+1} - p_g = 16 * (starts[g+1] // 16 - starts[g] // 16 + 1)`` rows and owns
+  sizes, which the host never reads. Quantizing along C too (an activation's two orientations), the
+  tail's slots read its rows and write them along C, since that output holds every row of x. Each group
+  also owns at least one slot, which writes the scale rows of its empty blocks (1). Group g's data starts
+  at row ``p_g = 16 * (starts[g] // 16 + g)`` of the ``[C, Mp]`` storage; its slots write rows ``p_g`` up
+  to ``p_{g+1}`` (its own rows, then zeros), the tail's up to Mp, so every byte of the data is written,
+  in runs of 16 rows that start 16-aligned: the compiler sees it (``tl.multiple_of``) and stores 16 bytes
+  at a time. The slots reach that far: group g spans
+  ``p_{g+1} - p_g = 16 * (starts[g+1] // 16 - starts[g] // 16 + 1)`` rows and owns
   ``starts[g+1] // BLOCK_R - starts[g] // BLOCK_R + 1`` slots of BLOCK_R rows, a multiple of 16, which is
   at least as many (likewise the tail). Rowwise scales span the whole R or C extent: a first launch
   (``AMAX_PASS``) takes each tile's partial amax into int32 buffers with ``atomic_max`` on the bits of
@@ -165,8 +167,12 @@ def _tile_kernel(
         end = pick(ends, group, E_POW2)
         local = slot - pick(firsts, group, E_POW2)
         row0 = group_start + local * BLOCK_R
-        # The tail past offsets[-1] (group E) belongs to no group: its tiles read nothing and write zeros.
+        # The tail past offsets[-1] (group E) belongs to no group: its tiles write zeros along R, and read
+        # its rows only for the output along C, which quantizes every row.
         live = (row0 < end) & (group < E)
+        reads = live
+        if ALONG_C:
+            reads = row0 < end
         # Group g's data rows start at 16 * (starts[g] // 16 + g), 16-aligned (dropless.quantized), and its
         # tiles write every row up to the next group's start, zeros past its own rows: the tiles of
         # all groups and the tail write each of the DATA_ROWS_R rows once, in whole 16-row (16-byte) runs.
@@ -180,6 +186,7 @@ def _tile_kernel(
         local = slot
         row0 = slot * BLOCK_R
         live = row0 < end
+        reads = live
         out_row0 = row0
         out_rows = end - row0
     col0 = tl.program_id(1) * BLOCK_C
@@ -197,7 +204,7 @@ def _tile_kernel(
     row64 = row0.to(tl.int64)
     col64 = col0.to(tl.int64)
     x_tile = x + batch64 * stride_xb + row64 * stride_xr + col64 * stride_xc
-    v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & live, other=0.0).to(tl.float32)
+    v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & reads, other=0.0).to(tl.float32)
     data_r_tile = data_r + (batch64 * C + col64) * DATA_ROWS_R + out_row0.to(tl.int64)
     data_c_tile = data_c + (batch64 * R + row64) * C + col64  # storage [BATCH, R, C]
 
@@ -221,6 +228,9 @@ def _tile_kernel(
             tl.store(data_c_tile + r[:, None] * C + c[None, :], q, mask=mask)
     else:
         if ALONG_R:
+            v_r = v
+            if GROUPED and ALONG_C:
+                v_r = tl.where(live, v, 0.0)  # the tail's rows, read for the output along C, are zeros here
             if BLOCK == 0:
                 # The first slot of each group (or batch) writes its scales; the tail has none.
                 in_scale = col_ok
@@ -228,10 +238,10 @@ def _tile_kernel(
                     in_scale = in_scale & (group < E)
                 amax = tl.load(amax_r + group64 * C + col64 + c, mask=in_scale, other=0).to(tl.float32, bitcast=True)
                 scale = _scale(amax, False, POW2, False)
-                q = _to_fp8(v, scale[None, :], False, EMULATE_FP8)
+                q = _to_fp8(v_r, scale[None, :], False, EMULATE_FP8)
                 tl.store(scale_r + group64 * C + col64 + c, scale, mask=in_scale & (local == 0))
             else:
-                v3 = tl.reshape(v, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
+                v3 = tl.reshape(v_r, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
                 scale = _scale(tl.max(_magnitude(v3), axis=1), MX, POW2, RCEIL)
                 q = tl.reshape(_to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 # The tile's blocks are blocks local * BLOCK_R / BLOCK onwards of its group (or batch).
@@ -307,11 +317,12 @@ def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> 
     """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen
     by measurement on an H100. fp32-scaled recipes along one dim run 8 warps (32 elements a thread);
     mxfp8, the per-group tiles and a weight's two orientations run 4, which keeps their block and group
-    reductions inside fewer warps (8 warps lost up to 40% there)."""
+    reductions inside fewer warps (8 warps lost up to 40% there). Both orientations of block128's 1x128
+    blocks need 128x128 tiles, on 8 warps (not measured)."""
     if recipe.tile:
         return 128, 128, 16
     if along_r and along_c:
-        return 64, 64, 4
+        return (128, 128, 8) if recipe.block == 128 else (64, 64, 4)
     warps = 4 if grouped or recipe.name == "mxfp8" else 8
     return (128, 64, warps) if along_r else (64, 128, warps)
 
@@ -396,6 +407,23 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
             WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K), BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=8,
         )
+
+
+def quantize_both(x: torch.Tensor, data_k: torch.Tensor, scale_k: torch.Tensor, data_m: torch.Tensor,
+                  scale_m: torch.Tensor, recipe: Recipe, offsets: torch.Tensor) -> None:
+    """Write ``x [M, K]`` quantized along K (every row) and along M per group, reading x once; arguments are
+    already checked by the caller.
+
+    One launch of ``_tile_kernel``, its tiles numbered per group (``quantize_along``'s dim 0 with offsets),
+    whose tail slots also write the rows past ``offsets[-1]`` along K. recipe: block128 or mxfp8 (1 x
+    block blocks). x: bf16, fp16 or fp32, any strides. data_k / scale_k: as ``quantize_along``'s dim 1
+    (data row-major ``[M, K]``, scale ``[M, cdiv(K, block)]``); data_m / scale_m: as its dim 0 with
+    ``offsets`` (data ``[Mp, K]``, a view of ``[K, Mp]`` storage, scale ``[cdiv(M, block) + E, K]``).
+    offsets: int32/int64 ``[E]``, read on the device. Every element of the four outputs is written.
+    """
+    launch_info(x.device)
+    _launch_tiles(x.unsqueeze(0), recipe, data_r=data_m, scale_r=scale_m, data_c=data_k, scale_c=scale_k,
+                  offsets=offsets)
 
 
 def quantize_weight_3d(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor, scale_k: torch.Tensor,

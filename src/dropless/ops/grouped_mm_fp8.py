@@ -11,7 +11,9 @@ once per optimizer step. The three products are ``torch.library`` custom ops on 
 scale, recipe name), so ``torch.compile`` traces the autograd function that composes them; nothing
 reads group sizes on the host. The wgrad's operands are quantized per group along the tokens, every
 group starting at a 16-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
-its kernel reads them through TMA whatever the recipe.
+its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
+(backward) are needed, one ``quantize_pair`` writes them from one read (one launch for the blockwise
+recipes).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dropless.kernels.launch import weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
-from dropless.ops.quantize import check_quantized, quantize, quantize_weight
+from dropless.ops.quantize import check_quantized, quantize, quantize_pair, quantize_weight
 from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
@@ -117,6 +119,16 @@ def quantized_wgrad(xq: QuantizedTensor, dyq: QuantizedTensor, offsets: torch.Te
     return out
 
 
+def _quantize_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, along_k: bool, along_tokens: bool
+                         ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
+    """``x [M, K]`` quantized along K (every row) and per group along the tokens, each only where asked
+    (else None): both together from one read of x (``quantize_pair``)."""
+    if along_k and along_tokens:
+        return quantize_pair(x, act, offsets)
+    return (quantize(x, act, dim=1) if along_k else None,
+            quantize(x, act, dim=0, offsets=offsets) if along_tokens else None)
+
+
 class Fp8GroupedMM(torch.autograd.Function):
     """``y = grouped x @ w`` in FP8 with the weight's two quantized orientations given.
 
@@ -133,13 +145,12 @@ class Fp8GroupedMM(torch.autograd.Function):
     def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate,
                 xq_data=None, xq_scale=None):
         act, _ = operand_recipes(recipe)
-        if xq_data is None:
-            xq = quantize(x, act, dim=1)
+        wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
+        # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand.
+        xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad)
+        if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
         y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
-        wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
-        # Saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand.
-        xt = quantize(x, act, dim=0, offsets=offsets) if wants_wgrad else None
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
         ctx.main_grad = main_grad
@@ -156,12 +167,11 @@ class Fp8GroupedMM(torch.autograd.Function):
         act, weights = operand_recipes(recipe)
         dy = dy.contiguous()
         dx = dw = None
+        dyq, dyt = _quantize_activation(dy, act, offsets, ctx.needs_input_grad[0], ctx.wants_wgrad)
         if ctx.needs_input_grad[0]:
-            dyq = quantize(dy, act, dim=1)
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
         if ctx.wants_wgrad:
-            dyt = quantize(dy, act, dim=0, offsets=offsets)
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             if ctx.main_grad is not None:
                 quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)

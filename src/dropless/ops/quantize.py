@@ -1,10 +1,11 @@
 """FP8 quantization: ``quantize`` (an activation or any 2D/3D tensor, optionally per group along the
-tokens) and ``quantize_weight`` (3D expert weights in both orientations, from one pass).
+tokens), ``quantize_pair`` (an activation along K and per group along the tokens, from one pass) and
+``quantize_weight`` (3D expert weights in both orientations, from one pass).
 
-The recipes and the layouts of data and scales are ``dropless.quantized``'s; both functions return
+The recipes and the layouts of data and scales are ``dropless.quantized``'s; the functions return
 ``QuantizedTensor``s. They are ``torch.library`` custom ops (``dropless::quantize``,
-``dropless::quantize_weight``) with fake implementations, taking the recipe as its name and options,
-so ``torch.compile(fullgraph=True)`` traces through them; eager calls on plain tensors skip the
+``dropless::quantize_pair``, ``dropless::quantize_weight``) with fake implementations, taking the recipe
+as its name and options, so ``torch.compile(fullgraph=True)`` traces through them; eager calls on plain tensors skip the
 dispatcher (``ops.direct``). Output shapes depend only on the input's shape, the recipe and E: nothing
 reads the group sizes on the host, and the Triton backend does not sync. Quantization is not
 differentiable (the FP8 GEMMs carry the gradients).
@@ -19,7 +20,7 @@ import torch
 from dropless import reference
 from dropless.backend import use_triton
 from dropless.kernels.launch import cdiv
-from dropless.kernels.quantize import quantize_along, quantize_weight_3d
+from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
 from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets
 from dropless.ops.direct import DirectOp
 from dropless.quantized import FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows
@@ -73,6 +74,25 @@ def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor
     return empty_quantized(x.shape, r, dim, None if offsets is None else offsets.shape[0], x.device)
 
 
+def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data_k, scale_k, data_m, scale_m)`` of a 2D x quantized along dim 1 and along dim 0 per group
+    with the blockwise recipe named ``recipe``, from one read of x on the Triton backend."""
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    if not use_triton(x.device):
+        return *reference.quantize(x, r, 1), *reference.quantize(x, r, 0, offsets)
+    data_k, scale_k, data_m, scale_m = _quantize_pair_fake(x, recipe, offsets, pow2, mx_rounding)
+    quantize_both(x, data_k, scale_k, data_m, scale_m, r, offsets)
+    return data_k, scale_k, data_m, scale_m
+
+
+def _quantize_pair_fake(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    return (*empty_quantized(x.shape, r, 1, None, x.device),
+            *empty_quantized(x.shape, r, 0, offsets.shape[0], x.device))
+
+
 def _quantize_weight(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data_k, scale_k, data_n, scale_n)``; block128x128's one scale is scale_k (scale_n is empty)."""
@@ -98,6 +118,7 @@ def _quantize_weight_fake(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding:
 
 
 _QUANTIZE = DirectOp.define("quantize", _quantize, _quantize_fake)
+_QUANTIZE_PAIR = DirectOp.define("quantize_pair", _quantize_pair, _quantize_pair_fake)
 _QUANTIZE_WEIGHT = DirectOp.define("quantize_weight", _quantize_weight, _quantize_weight_fake)
 
 
@@ -135,6 +156,16 @@ def _check_offsets(offsets: object, device: torch.device) -> None:
     check_same_device(device, offsets=offsets)
 
 
+def _group_offsets(offsets: torch.Tensor, x: torch.Tensor, r: Recipe) -> torch.Tensor:
+    """``offsets`` (already checked as a tensor) as int32, checked against a 2D ``x [M, K]`` quantized per
+    group along its tokens with ``r``."""
+    if r.tile:
+        raise ValueError("recipe block128x128 cannot restart its 128x128 tiles at group boundaries: "
+                         "offsets are not supported with it (use block128 along the tokens)")
+    validate_offsets(offsets, x.shape[0])
+    return offsets.to(torch.int32)
+
+
 def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
              pow2: bool | None = None, mx_rounding: str | None = None) -> QuantizedTensor:
     """Quantize ``x`` to FP8 along ``dim``: ``x ~= data * scale``, one scale per block of the recipe.
@@ -169,13 +200,38 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         if x.dim() != 2 or dim != 0:
             raise ValueError(f"offsets need a 2D x quantized along dim 0 (the tokens), got x of shape "
                              f"{tuple(x.shape)} and dim {dim}")
-        if r.tile:
-            raise ValueError("recipe block128x128 cannot restart its 128x128 tiles at group boundaries: "
-                             "offsets are not supported with it (use block128 along the tokens)")
-        validate_offsets(offsets, x.shape[0])
-        offsets = offsets.to(torch.int32)
+        offsets = _group_offsets(offsets, x, r)
     data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding)
     return QuantizedTensor(data, scale, r, dim, offsets, None if offsets is None else x.shape[0])
+
+
+def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, *, pow2: bool | None = None,
+                  mx_rounding: str | None = None) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Quantize an activation ``x [M, K]`` along K and along the tokens per group: what a grouped GEMM's
+    forward (or input gradient) and its weight gradient read.
+
+    Returns exactly ``(quantize(x, recipe, 1), quantize(x, recipe, 0, offsets))``, bit for bit. The
+    blockwise recipes (block128, mxfp8) write both from one read of x, in one launch on the Triton backend;
+    rowwise (whose scales span whole rows and groups) runs the two calls.
+
+    Args:
+        x: ``[M, K]``, bf16, fp16 or fp32, any strides.
+        recipe, pow2, mx_rounding: as ``quantize`` (not block128x128, which has no per-group layout).
+        offsets: int32/int64 ``[E]`` cumulative group ends on x's device, read on the device.
+    Returns:
+        ``(along K, along the tokens)``: data ``[M, K]`` row-major with scales ``[M, cdiv(K, block)]``
+        (rowwise ``[M, 1]``), and data ``[Mp, K]`` (a view of ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16)
+        + E)``) with scales ``[cdiv(M, block) + E, K]`` (rowwise ``[E, K]``). No host sync on the Triton
+        backend.
+    """
+    r = _resolve_recipe(recipe, pow2, mx_rounding)
+    _check_input("x", x, (2,))
+    if r.block is None:
+        return quantize(x, r, 1), quantize(x, r, 0, offsets)
+    _check_offsets(offsets, x.device)
+    offsets = _group_offsets(offsets, x, r)
+    data_k, scale_k, data_m, scale_m = _QUANTIZE_PAIR(x, r.name, offsets, r.pow2, r.mx_rounding)
+    return QuantizedTensor(data_k, scale_k, r, 1), QuantizedTensor(data_m, scale_m, r, 0, offsets, x.shape[0])
 
 
 def quantize_weight(w: torch.Tensor, recipe: str | Recipe, *, pow2: bool | None = None,
