@@ -74,12 +74,17 @@ def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
+def hopper_gluon_device(device: torch.device) -> bool:
+    """Whether the Gluon kernels for Hopper run on ``device``: an sm_90 GPU, and Triton 3.6 or newer
+    (their Gluon API)."""
+    return device.type == "cuda" and _triton_at_least(3, 6) and _capability(device) == 9
+
+
 def hopper_kernels_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the Gluon kernels for Hopper can take these operands: Triton 3.6 or newer (their Gluon
-    API), all on one sm_90 GPU, all of one 16-bit dtype, none empty, each readable by TMA as laid out."""
+    """Whether the Gluon kernels for Hopper can take these operands: ``hopper_gluon_device``, all of one
+    16-bit dtype, none empty, each readable by TMA as laid out."""
     first = tensors[0]
-    if (first.device.type != "cuda" or first.dtype not in (torch.bfloat16, torch.float16)
-            or not _triton_at_least(3, 6) or _capability(first.device) != 9):
+    if first.dtype not in (torch.bfloat16, torch.float16) or not hopper_gluon_device(first.device):
         return False
     return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
 

@@ -8,12 +8,10 @@ partial product into fp32 (DeepGEMM's scheme), which also bounds the accumulatio
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import LaunchInfo, launch_info, weight_nk
+from dropless.kernels.launch import LaunchInfo, hopper_gluon_device, launch_info, weight_nk
 from dropless.kernels.tuning import run_ragged_k_fp8, run_ragged_m_fp8
 from dropless.quantized import QuantizedTensor
 
@@ -24,17 +22,10 @@ _B_BLOCKS = {"rowwise": (None, 1), "block128x128": (128, 128), "mxfp8": (32, 1)}
 GLUON_FP8 = GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True)
 
 
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    from dropless.kernels.launch import _capability, _triton_at_least
-
-    return device.type == "cuda" and _capability(device) == 9 and _triton_at_least(3, 6)
-
-
 def gluon_rowwise_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) -> bool:
     """The Hopper Gluon kernel takes a rowwise product: sm_90, TMA-readable a and K-major b, and
     16-bit c."""
-    return (a.recipe.name == "rowwise" and _hopper(a.device) and c.dtype in (torch.bfloat16, torch.float16)
+    return (a.recipe.name == "rowwise" and hopper_gluon_device(a.device) and c.dtype in (torch.bfloat16, torch.float16)
             and weight_nk(b.data) and LaunchInfo.tma_ok(a.data) and LaunchInfo.tma_ok(b.data.transpose(1, 2))
             and LaunchInfo.tma_ok(c) and a.data.numel() > 0)
 

@@ -235,7 +235,8 @@ def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | Quant
 def _check_fp8_operands(a: torch.Tensor | QuantizedTensor, name: str, b: torch.Tensor | QuantizedTensor,
                         b_ndim: int) -> None:
     """x is a matrix and ``b`` a tensor of ``b_ndim`` dims, each a tensor of a dtype the quantization
-    takes (bf16, fp16, fp32) or a QuantizedTensor, on one device, with matching K (or M for the wgrad)."""
+    takes (bf16, fp16, fp32) or a QuantizedTensor, on one device; a weight ``b`` with x's K (the wgrad
+    checks its rows itself)."""
     for arg, t, ndim in (("x", a, 2), (name, b, b_ndim)):
         if isinstance(t, QuantizedTensor):
             if len(t.shape) != ndim:
@@ -245,8 +246,6 @@ def _check_fp8_operands(a: torch.Tensor | QuantizedTensor, name: str, b: torch.T
     check_same_device(a.device, **{name: b.data if isinstance(b, QuantizedTensor) else b})
     if b_ndim == 3 and b.shape[1] != a.shape[1]:
         raise ValueError(f"{name} must have shape [E, K={a.shape[1]}, N] to match x [M, K], got {tuple(b.shape)}")
-    if b_ndim == 2 and _rows(b) != _rows(a):
-        raise ValueError(f"{name} must have x's number of rows M={_rows(a)}, got {_rows(b)} (shape {tuple(b.shape)})")
 
 
 def _rows(t: torch.Tensor | QuantizedTensor) -> int:
