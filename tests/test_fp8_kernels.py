@@ -520,3 +520,43 @@ def test_ragged_k_fp8_every_candidate_gpu(case, mode):
                              NO_ACCUMULATE if flags is None else ACCUMULATE_FLAGGED, flags, config,
                              launch.launch_info(DEVICE), fast_accum)
     _check_experts(out, ref, fast_accum)
+
+
+def _hopper_fp8_wgrad_cases() -> list:
+    """``(mode, config)``: each candidate of the Hopper FP8 wgrad tuners with the outputs it serves."""
+    return ([("bf16", config) for config in tuning._RAGGED_K_FP8_HOPPER.candidates]
+            + [(mode, config) for config in tuning._RAGGED_K_FP8_HOPPER_ACCUMULATE.candidates
+               for mode in ("fp32", "added", "flagged")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and launch.hopper_gluon_device(torch.device(DEVICE))),
+                    reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("shape", ["e8", "e16_odd", *SHAPES_K])
+@pytest.mark.parametrize("case", _hopper_fp8_wgrad_cases(), ids=lambda case: f"{case[0]}-{case[1]}")
+def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
+    """The warp-specialized Hopper kernel on rowwise operands (fast accumulation): every candidate, both
+    output layouts (a transposed one swaps the operands), the rows outside the groups NaN."""
+    mode, config = case
+    if shape in SHAPES_K:
+        M, K, N, sizes = SHAPES_K[shape]
+    else:
+        M, K, N, E = GPU_SHAPES[shape]
+        sizes = random_group_sizes(E, M - 37)
+    E = len(sizes)
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "rowwise")
+    flags = torch.arange(E, device=DEVICE) % 2 == 0 if mode == "flagged" else None
+    accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
+                  "flagged": ACCUMULATE_FLAGGED}[mode]
+    for transposed in (False, True):
+        out = poisoned((E, K, N), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE, transposed)
+        expected = ref
+        if accumulate != NO_ACCUMULATE:
+            out.copy_(torch.randn(E, K, N, device=DEVICE) * ref.abs().max())
+            added = flags.view(-1, 1, 1) if flags is not None else torch.ones(E, 1, 1, dtype=torch.bool, device=DEVICE)
+            expected = torch.where(added, out.double() + ref, ref)
+        oriented = (b, a, out.transpose(1, 2)) if transposed else (a, b, out)
+        assert launch.hopper_fp8_wgrad_ok(*oriented)
+        run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, accumulate, flags,
+                         fast_accum=True, config=config)
+        _check_experts(out, expected, fast_accum=True)

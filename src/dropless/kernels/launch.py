@@ -96,6 +96,16 @@ def hopper_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
             and LaunchInfo.tma_ok(c))
 
 
+def hopper_fp8_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the Hopper weight-gradient kernel can take FP8 ``a [Mp, K]`` and ``b [Mp, N]`` quantized per
+    group along the tokens (views of token-contiguous storage) and the output ``c [E, K, N]``: on
+    ``hopper_gluon_device``, each transposed operand and c readable by TMA, c 16-bit or fp32, none empty."""
+    return (a.dtype == b.dtype == torch.float8_e4m3fn and hopper_gluon_device(a.device)
+            and c.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and min(a.numel(), b.numel(), c.numel()) > 0
+            and LaunchInfo.tma_ok(a.t()) and LaunchInfo.tma_ok(b.t()) and LaunchInfo.tma_ok(c))
+
+
 @functools.cache
 def _device_info(device: torch.device) -> LaunchInfo:
     if device.type == "cuda":

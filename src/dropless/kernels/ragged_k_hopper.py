@@ -14,6 +14,14 @@ on it. Each finished tile is written to shared memory and stored by TMA asynchro
 warps go straight on to the next tile, and wait for that store only when the buffer comes round
 again a whole tile later.
 
+FP8 operands (``TOKENS_MAJOR``) come quantized per group along the tokens, laid out as
+``dropless.quantized`` says: a ``[Mp, K]`` and b ``[Mp, N]``, views of ``[K, Mp]`` and ``[N, Mp]`` storage
+(the tokens contiguous: the K-major layout of FP8 tensor cores), group e in rows ``[p_e, p_e + n_e)``,
+``p_e = 16 * (s_e // 16 + e)``; ``M`` is then the ``Mp - 16 E`` tokens the data can hold. The stages
+hold ``[BLOCK_K, BLOCK_M]`` and ``[BLOCK_N, BLOCK_M]`` tiles, and the tensor cores accumulate the whole
+group in their fast FP8 mode. With one scale per group and column (rowwise, ``SCALED``), the epilogue
+scales the tile once, ``c[e] = acc * sa[e, :, None] * sb[e, None, :]``.
+
 The last row block of a group is partial: TMA reads whole blocks, so the rows past the group's end
 (another group's, or unrouted rows that may hold anything) are zeroed in shared memory, in both
 operands, before that block's MMA.
@@ -65,6 +73,16 @@ def _group_rows(offsets_ptr, group, M):
     start = gl.where(group > 0, start, 0)
     start = gl.minimum(gl.maximum(start, 0), M)
     end = gl.minimum(gl.maximum(gl.load(offsets_ptr + group), start), M)
+    return start, end
+
+
+@gluon.jit
+def _data_rows(start, end, group, TOKENS_MAJOR: gl.constexpr):
+    """Where the tokens ``[start, end)`` of ``group`` sit in the operands' rows: the same rows, or, for
+    FP8 operands laid out per group, from the 16-aligned row ``16 * (start // 16 + group)``."""
+    if TOKENS_MAJOR:
+        row_start = (start // 16 + group) * 16
+        return row_start, row_start + (end - start)
     return start, end
 
 
@@ -129,18 +147,23 @@ def _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE: gl.constexpr, WARPS: 
 @gluon.jit
 def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step, tiles_k, tiles_n,
                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr):
+               STAGES: gl.constexpr, TOKENS_MAJOR: gl.constexpr):
     """TMA loads of every row block of one tile into the stage ring; returns the next step number."""
     group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
     start, end = _group_rows(offsets_ptr, group, M)
+    start, end = _data_rows(start, end, group, TOKENS_MAJOR)
     for row in range(start, end, BLOCK_M):
         slot = step % STAGES
         # A slot is free once the MMA that read it completed; the ring starts out free.
         mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
         bar = ready.index(slot)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
-        tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
+        if TOKENS_MAJOR:
+            tma.async_copy_global_to_shared(a_desc, [pid_k * BLOCK_K, row], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, row], bar, b_bufs.index(slot))
+        else:
+            tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
         step += 1
     return step
 
@@ -149,7 +172,7 @@ def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, til
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
             total_tiles, tiles_k, tiles_n,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr):
+            STAGES: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr, TOKENS_MAJOR: gl.constexpr):
     """One warp: TMA loads of every row block of every tile of this program, into the stage ring. The
     tiles are those the scheduler queues (BY_WORK), or every ``num_programs``-th tile in group order."""
     step = 0
@@ -158,23 +181,43 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, 
         tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
         while tile_id >= 0:
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
-                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)
+                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR)
             n += 1
             tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
-                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES)
+                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR)
 
 
 @gluon.jit
-def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, num_warps: gl.constexpr):
-    """Zero the rows ``row0 + i >= end`` of a ``[BLOCK_M, WIDTH]`` stage buffer in place."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    values = buf.load(layout)
-    values = gl.where((rows < end)[:, None], values, gl.zeros_like(values))
+def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, TOKENS_MAJOR: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Zero the rows ``row0 + i >= end`` of a stage buffer in place: ``[BLOCK_M, WIDTH]``, or
+    ``[WIDTH, BLOCK_M]`` with the rows along its last dim (TOKENS_MAJOR)."""
+    if TOKENS_MAJOR:
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        values = buf.load(layout)
+        values = gl.where((rows < end)[None, :], values, gl.zeros_like(values))
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        values = buf.load(layout)
+        values = gl.where((rows < end)[:, None], values, gl.zeros_like(values))
     buf.store(values)
+
+
+@gluon.jit
+def _group_scales(sa_ptr, sb_ptr, stride_sa, stride_sb, group, k0, n0, K, N, has_rows, layout: gl.constexpr,
+                  BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile's scales ``sa[group, k0:]`` and ``sb[group, n0:]`` (fp32), 0 for an empty group, whose
+    scales may be anything."""
+    ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    sa = gl.load(sa_ptr + group.to(gl.int64) * stride_sa + ks, mask=(ks < K) & has_rows, other=0.0)
+    sb = gl.load(sb_ptr + group.to(gl.int64) * stride_sb + ns, mask=(ns < N) & has_rows, other=0.0)
+    return sa, sb
 
 
 @gluon.jit
@@ -192,15 +235,20 @@ def _prior_values(c_ptr, flags_ptr, group, k0, n0, K, N, stride_ce, stride_ck, l
 
 
 @gluon.jit
-def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr,
-                  M, N, K, tile_id, step, tiles_k, tiles_n,
+def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs,
+                  c_smem, ready, empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
                   BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, TOKENS_MAJOR: gl.constexpr, SCALED: gl.constexpr,
+                  INSTR_K: gl.constexpr, num_warps: gl.constexpr):
     """The MMAs of one tile, then its epilogue through an asynchronous TMA store; returns the next step number."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, INSTR_K])
     group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
     start, end = _group_rows(offsets_ptr, group, M)
+    if SCALED:
+        sa, sb = _group_scales(sa_ptr, sb_ptr, stride_sa, stride_sb, group, pid_k * BLOCK_K, pid_n * BLOCK_N, K, N,
+                               end > start, acc_layout, BLOCK_K, BLOCK_N)
+    start, end = _data_rows(start, end, group, TOKENS_MAJOR)
     if ACCUMULATE != 0:
         # Loaded before the reduction, so the loads complete while the MMAs run.
         prior = _prior_values(c_ptr, flags_ptr, group, pid_k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_ce,
@@ -212,11 +260,14 @@ def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs
         a_buf = a_bufs.index(slot)
         b_buf = b_bufs.index(slot)
         if row + BLOCK_M > end:
-            _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, num_warps)
-            _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, num_warps)
+            _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, TOKENS_MAJOR, num_warps)
+            _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, TOKENS_MAJOR, num_warps)
             fence_async_shared()
             gl.thread_barrier()
-        acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+        if TOKENS_MAJOR:
+            acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
         # At most one MMA in flight: the previous step's is done, so its slot can be refilled.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         if row > start:
@@ -225,6 +276,8 @@ def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if end > start:
         release(empty, step - 1, STAGES)
+    if SCALED:
+        acc = acc * sa[:, None] * sb[None, :]
     if ACCUMULATE != 0:
         acc += prior
     # The previous tile's store must have read c_smem before it is overwritten.
@@ -238,40 +291,47 @@ def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs
 
 
 @gluon.jit
-def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
-             tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
+def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs,
+             c_smem, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, ACCUMULATE: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr,
-             num_warps: gl.constexpr):
+             TOKENS_MAJOR: gl.constexpr, SCALED: gl.constexpr, INSTR_K: gl.constexpr, num_warps: gl.constexpr):
     """The default partition: every tile of this program, in the loader's order."""
     step = 0
     if BY_WORK:
         n = 0
         tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
         while tile_id >= 0:
-            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
-                                 empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
-                                 BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)
+            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb,
+                                 a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, tile_id, step, tiles_k,
+                                 tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, TOKENS_MAJOR, SCALED,
+                                 INSTR_K, num_warps)
             n += 1
             tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready,
-                                 empty, offsets_ptr, M, N, K, tile_id, step, tiles_k, tiles_n,
-                                 BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, num_warps)
+            step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb,
+                                 a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, tile_id, step, tiles_k,
+                                 tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, TOKENS_MAJOR, SCALED,
+                                 INSTR_K, num_warps)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, offsets_ptr, counter_ptr,
-                            M, N, K, E,
+def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa,
+                            stride_sb, offsets_ptr, counter_ptr, M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
                             BY_WORK: gl.constexpr, E_POW2: gl.constexpr, QUEUE: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            TOKENS_MAJOR: gl.constexpr, SCALED: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
+    INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
+    if TOKENS_MAJOR:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_M], b_desc.layout)
+    else:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_K, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], c_desc.dtype))
     ready, empty = stage_barriers(STAGES)
@@ -284,11 +344,13 @@ def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce,
     tiles_n = gl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_k * tiles_n
     gl.warp_specialize([
-        (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, a_bufs, b_bufs, c_smem, ready, empty, tile_ids,
-                    tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
-                    BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, QUEUE, num_warps)),
+        (_compute, (c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs,
+                    b_bufs, c_smem, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M, N, K, total_tiles,
+                    tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, QUEUE,
+                    TOKENS_MAJOR, SCALED, INSTR_K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
-                   total_tiles, tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, QUEUE)),
+                   total_tiles, tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, QUEUE,
+                   TOKENS_MAJOR)),
         (_scheduler, (tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
                       BY_WORK, E_POW2, QUEUE)),
     ], [1, 1], [24, 48])
@@ -298,20 +360,36 @@ _LAUNCH = DirectLaunch(_ragged_k_hopper_kernel)
 
 
 def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                       accumulate: int, flags: torch.Tensor | None, config: GemmConfig, num_programs: int) -> None:
+                       accumulate: int, flags: torch.Tensor | None, config: GemmConfig, num_programs: int,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Launch on 16-bit ``a [M, K]`` and ``b [M, N]``, int32 ``offsets [E]``, and ``c [E, K, N]`` (N
     contiguous) of a's dtype or fp32, all of which ``launch.hopper_wgrad_ok`` accepts. ``accumulate``
     as in ``ragged_k.ragged_k_mm``: 0 writes, 1 adds, 2 adds where the bool ``flags [E]`` are set.
-    ``config.by_work``: tiles drawn from a counter, largest groups first."""
-    M, K = a.shape
-    N = b.shape[1]
+    ``config.by_work``: tiles drawn from a counter, largest groups first.
+
+    float8_e4m3fn ``a [Mp, K]`` and ``b [Mp, N]`` are quantized per group along the tokens (the module
+    docstring's layout: views of ``[K, Mp]`` and ``[N, Mp]`` storage, TMA-readable), c bf16, fp16 or
+    fp32; ``scales = (sa, sb)``: fp32 ``sa [E, K]`` and ``sb [E, N]`` with unit stride along K and N,
+    one per group and column, applied in the epilogue.
+    """
     E = c.shape[0]
+    tokens_major = a.element_size() == 1
+    M = a.shape[0] - 16 * E if tokens_major else a.shape[0]
+    K, N = a.shape[1], b.shape[1]
     bm, bk, bn = config.block_m, config.block_k, config.block_n
     total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
-    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=descriptor(b, [bm, bn]), c_desc=descriptor(c, [1, bk, bn]),
+    if tokens_major:
+        a_desc, b_desc = descriptor(a.t(), [bk, bm]), descriptor(b.t(), [bn, bm])
+    else:
+        a_desc, b_desc = descriptor(a, [bm, bk]), descriptor(b, [bm, bn])
+    sa, sb = scales if scales is not None else (c, c)
+    _LAUNCH(grid, a_desc=a_desc, b_desc=b_desc, c_desc=descriptor(c, [1, bk, bn]),
             c_ptr=c, flags_ptr=flags if flags is not None else offsets, stride_ce=c.stride(0), stride_ck=c.stride(1),
+            sa_ptr=sa, sb_ptr=sb, stride_sa=sa.stride(0) if scales is not None else 0,
+            stride_sb=sb.stride(0) if scales is not None else 0,
             offsets_ptr=offsets, counter_ptr=counter, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
             GROUP_M=config.group_m, STAGES=config.num_stages, ACCUMULATE=accumulate, BY_WORK=config.by_work,
-            E_POW2=next_power_of_2(E), QUEUE=QUEUE, num_warps=config.num_warps)
+            E_POW2=next_power_of_2(E), QUEUE=QUEUE, TOKENS_MAJOR=tokens_major, SCALED=scales is not None,
+            num_warps=config.num_warps)

@@ -6,7 +6,7 @@ import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
+from dropless.kernels.launch import hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
 from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
 from dropless.kernels.ragged_m import ragged_m_mm
@@ -193,6 +193,29 @@ _RAGGED_K_FP8_FAST = Autotuner(
     interpreter_config=GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1),
 )
 
+# One scale per group on Hopper: the warp-specialized Gluon kernel (ragged_k_hopper.py) on tokens-major
+# FP8 stages, 128 or 64 tokens deep. Written in 16 bits: 128x256 output tiles (64 KB staged for the
+# store) beside 144 KB of stages; added into (or written as) fp32: 128x128 tiles, 64 KB staged.
+_RAGGED_K_FP8_HOPPER = Autotuner(
+    "ragged_k_fp8_hopper",
+    candidates=[
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3, by_work=True, gluon=True),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=6, by_work=True, gluon=True),
+        GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True),
+        GemmConfig(64, 256, 128, num_warps=8, num_stages=6, gluon=True),
+    ],
+    default=GemmConfig(128, 256, 128, num_warps=8, num_stages=3, by_work=True, gluon=True),
+)
+_RAGGED_K_FP8_HOPPER_ACCUMULATE = Autotuner(
+    "ragged_k_fp8_hopper_accumulate",
+    candidates=[
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, by_work=True, gluon=True),
+        GemmConfig(64, 128, 128, num_warps=8, num_stages=8, by_work=True, gluon=True),
+        GemmConfig(128, 128, 128, num_warps=8, num_stages=4, gluon=True),
+    ],
+    default=GemmConfig(128, 128, 128, num_warps=8, num_stages=4, by_work=True, gluon=True),
+)
+
 # Token blocks of 32 (MXFP8): 32-row steps.
 _RAGGED_K_FP8_STEP32 = Autotuner(
     "ragged_k_fp8_step32",
@@ -217,7 +240,7 @@ def _fp8_tuner(step: int | None, fast_accum: bool, fast: Autotuner, promoted: Au
 
 
 FP8_TUNERS = (_RAGGED_M_FP8, _RAGGED_M_FP8_FAST, _RAGGED_M_FP8_STEP128, _RAGGED_M_FP8_STEP32, _RAGGED_K_FP8,
-              _RAGGED_K_FP8_FAST, _RAGGED_K_FP8_STEP32)
+              _RAGGED_K_FP8_FAST, _RAGGED_K_FP8_HOPPER, _RAGGED_K_FP8_HOPPER_ACCUMULATE, _RAGGED_K_FP8_STEP32)
 
 
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
@@ -322,12 +345,23 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if weight_nk(c):
         a, a_scale, b, b_scale, c = b, b_scale, a, a_scale, c.transpose(1, 2)
     info = launch_info(a.device, tma)
-    tuner = _fp8_tuner(block, fast_accum, _RAGGED_K_FP8_FAST, _RAGGED_K_FP8, _RAGGED_K_FP8, _RAGGED_K_FP8_STEP32)
+    if info.tma and block is None and fast_accum and hopper_fp8_wgrad_ok(a, b, c):
+        written = c.dtype != torch.float32 and not accumulate
+        tuner = _RAGGED_K_FP8_HOPPER if written else _RAGGED_K_FP8_HOPPER_ACCUMULATE
+    else:
+        tuner = _fp8_tuner(block, fast_accum, _RAGGED_K_FP8_FAST, _RAGGED_K_FP8, _RAGGED_K_FP8, _RAGGED_K_FP8_STEP32)
     key = problem_class(a.device, c.dtype, block, fast_accum, accumulate != 0, info.tma, a.shape[1], b.shape[1],
                         c.shape[0], M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
-        ragged_k_fp8_mm(a, a_scale, b, b_scale, block, offsets, out, accumulate, flags, config, info, fast_accum)
+        if config.gluon:
+            from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper
+            # The kernel reads each group's scales at unit stride along K and N.
+            scales = (a_scale if a_scale.stride(1) == 1 else a_scale.contiguous(),
+                      b_scale if b_scale.stride(1) == 1 else b_scale.contiguous())
+            ragged_k_mm_hopper(a, b, offsets, out, accumulate, flags, config, info.num_programs, scales)
+        else:
+            ragged_k_fp8_mm(a, a_scale, b, b_scale, block, offsets, out, accumulate, flags, config, info, fast_accum)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_strided(
