@@ -141,9 +141,10 @@ def bounds_of(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 def data_rows_of(sizes: Sequence[int], M: int) -> tuple[list[int], int]:
     """``([p_e], Mp)`` of data quantized per group along the tokens, as ``dropless.quantized`` lays it out
-    (written out here, not taken from the library): group e's first row ``p_e = 16 * (s_e // 16 + e)``
-    and the rows ``Mp = 16 * (cdiv(M, 16) + E)``."""
-    return [16 * (start // 16 + e) for e, (start, _) in enumerate(bounds_of(sizes))], 16 * (-(-M // 16) + len(sizes))
+    (written out here, not taken from the library): group e's first row ``p_e = 128 * (s_e // 128 + e)``
+    and the rows ``Mp = 128 * (cdiv(M, 128) + E)``."""
+    return ([128 * (start // 128 + e) for e, (start, _) in enumerate(bounds_of(sizes))],
+            128 * (-(-M // 128) + len(sizes)))
 
 
 # ---------------------------------------------------------------------------------------------------

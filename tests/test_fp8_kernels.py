@@ -2,7 +2,7 @@
 the layouts of ``dropless.quantized``, against the fp64 product of the dequantized operands.
 
 The oracle broadcasts every scale over its block with its own code (``_expand``, ``_token_scales``),
-and places the weight gradient's groups at their 16-aligned data rows with its own (``_grouped_data``),
+and places the weight gradient's groups at their 128-aligned data rows with its own (``_grouped_data``),
 not the kernels'. Outputs start as NaN, so an element the kernel skips shows; operand rows and scales
 that no group may read hold NaN too (in the weight gradient's operands, the gaps between groups as well,
 which the layout fills with zeros).
@@ -92,10 +92,10 @@ def _token_scales(scale: torch.Tensor, block: int | None, sizes: Sequence[int], 
 
 
 def _token_scale_rows(cols: int, block: int | None, sizes: Sequence[int], M: int, e8m0: bool) -> torch.Tensor:
-    """Random scales ``[E, cols]`` (rowwise) or ``[cdiv(M, B) + E, cols]``; rows that no group's block
-    uses (an empty group's, the padding) hold NaN, so a kernel that reads them shows."""
+    """Random scales ``[E, cols]`` (rowwise) or ``[cdiv(Mp - 128 E, B) + E, cols]``; rows that no group's
+    block uses (an empty group's, the padding) hold NaN, so a kernel that reads them shows."""
     E = len(sizes)
-    rows = E if block is None else -(-M // block) + E
+    rows = E if block is None else -(-128 * -(-M // 128) // block) + E
     scale = _scales(rows, cols, e8m0=e8m0).cpu()
     used = torch.zeros(rows, dtype=torch.bool)
     for e, (start, end) in enumerate(bounds_of(sizes)):
@@ -292,7 +292,7 @@ def test_ragged_m_fp8_scale_map():
 TOKEN_SCALES = {"rowwise": (None, False), "block128": (128, False), "block64": (64, False), "mxfp8": (32, True)}
 
 # (M, K, N, sizes): M tokens in groups of ``sizes``, the operands ``[Mp, K]`` and ``[Mp, N]`` with every
-# group starting 16-aligned, which TMA reads for every recipe (the interpreter, as the GPU, refuses a
+# group starting 128-aligned, which TMA reads for every recipe (the interpreter, as the GPU, refuses a
 # TMA window that does not start 16-byte aligned).
 SHAPES_K = {
     "aligned": (96, 64, 48, [20, 0, 45, 21]),
@@ -303,22 +303,23 @@ SHAPES_K = {
 }
 
 
-def _grouped_data(t: torch.Tensor, sizes: Sequence[int], offset: int = 0) -> torch.Tensor:
+def _grouped_data(t: torch.Tensor, sizes: Sequence[int], offset: int = 0, gap: float = float("nan")) -> torch.Tensor:
     """``t [M, C]`` (one token a row) laid out per group along the tokens: ``[Mp, C]``, a transposed view
-    of ``[C, Mp]`` storage, group e's tokens from row ``16 * (s_e // 16 + e)``; every other row NaN (the
-    layout's zeros, poisoned: the kernel must not read them). offset: the storage starts that many
-    elements into its allocation (1 misaligns it for TMA)."""
+    of ``[C, Mp]`` storage, group e's tokens from row ``128 * (s_e // 128 + e)``; every other row ``gap``:
+    NaN poisons the layout's zeros (a kernel that reads them shows), 0 is the layout itself. offset: the
+    storage starts that many elements into its allocation (1 misaligns it for TMA)."""
     firsts, Mp = data_rows_of(sizes, t.shape[0])
-    storage = torch.full((t.shape[1], Mp + offset), float("nan"), device=t.device).to(t.dtype)[:, offset:]
+    storage = torch.full((t.shape[1], Mp + offset), gap, device=t.device).to(t.dtype)[:, offset:]
     data = storage.t()
     for first, (s, e) in zip(firsts, bounds_of(sizes)):
         data[first:first + e - s] = t[s:e]
     return data
 
 
-def _ragged_k_operands(M, K, N, sizes, scales_name, offset=0):
-    """a [Mp, K] and b [Mp, N] quantized per group along the tokens (``_grouped_data``), their per-group
-    scales and the fp64 oracle; the tokens past the last group are not in the data."""
+def _ragged_k_operands(M, K, N, sizes, scales_name, offset=0, gap=float("nan")):
+    """a [Mp, K] and b [Mp, N] quantized per group along the tokens (``_grouped_data``, ``gap`` between the
+    groups), their per-group scales and the fp64 oracle; the tokens past the last group are not in the
+    data."""
     block, e8m0 = TOKEN_SCALES[scales_name]
     a_tokens, b_tokens = _fp8(M, K), _fp8(M, N)
     a_scale = _token_scale_rows(K, block, sizes, M, e8m0)
@@ -326,7 +327,8 @@ def _ragged_k_operands(M, K, N, sizes, scales_name, offset=0):
     a64 = a_tokens.double() * _token_scales(a_scale, block, sizes, M)
     b64 = b_tokens.double() * _token_scales(b_scale, block, sizes, M)
     ref = _oracle_wgrad(a64, b64, sizes)
-    return _grouped_data(a_tokens, sizes, offset), a_scale, _grouped_data(b_tokens, sizes, offset), b_scale, block, ref
+    return (_grouped_data(a_tokens, sizes, offset, gap), a_scale, _grouped_data(b_tokens, sizes, offset, gap), b_scale,
+            block, ref)
 
 
 @pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
@@ -397,13 +399,13 @@ def test_ragged_k_fp8_accumulate(scales, mode, transposed, tma):
 @pytest.mark.parametrize("tma", [None, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("scales", ["rowwise", "mxfp8"])
 def test_ragged_k_fp8_ignores_rows_outside_the_group(scales, tma):
-    """Non-finite tokens of one group, read by the last step of the group before it, stay in their own:
-    group 0's rows 0-39 end in the window of rows 32-63, which holds group 1's first 16 rows (from 48)."""
+    """Non-finite tokens of one group stay in their own: group 1 starts at row 128, right after the window
+    of group 0's last rows (0-39, in rows 0-127)."""
     M, K, N, sizes = 96, 32, 48, [40, 45, 0, 11]
     a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
-    assert data_rows_of(sizes, M)[0][1] == 48
-    a[48] = float("nan")  # group 1's first token
-    b[49] = float("inf")
+    assert data_rows_of(sizes, M)[0][1] == 128
+    a[128] = float("nan")  # group 1's first token
+    b[129] = float("inf")
     out = poisoned((4, K, N), torch.float32, DEVICE)
     run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
     for e in (0, 2, 3):
@@ -415,7 +417,7 @@ def test_ragged_k_fp8_refuses_other_token_blocks_and_rows():
     with pytest.raises(ValueError, match="power of two of at least 32"):
         run_ragged_k_fp8(a, _scales(6, 16), b, _scales(6, 16), 48, offsets_of([64], DEVICE),
                          torch.empty(1, 16, 16, device=DEVICE), NO_ACCUMULATE, None)
-    with pytest.raises(ValueError, match=r"rows Mp = 16 \* \(cdiv\(M, 16\) \+ E\)"):
+    with pytest.raises(ValueError, match=r"rows Mp = 128 \* \(cdiv\(M, 128\) \+ E\)"):
         run_ragged_k_fp8(a[:70], _scales(6, 16), b[:70], _scales(6, 16), 32, offsets_of([64], DEVICE),
                          torch.empty(1, 16, 16, device=DEVICE), NO_ACCUMULATE, None)
 
@@ -536,7 +538,8 @@ def _hopper_fp8_wgrad_cases() -> list:
 @pytest.mark.parametrize("case", _hopper_fp8_wgrad_cases(), ids=lambda case: f"{case[0]}-{case[1]}")
 def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
     """The warp-specialized Hopper kernel on rowwise operands (fast accumulation): every candidate, both
-    output layouts (a transposed one swaps the operands), the rows outside the groups NaN."""
+    output layouts (a transposed one swaps the operands). The kernel reads the layout's zeros after each
+    group's rows (its last window), so they are zeros here, not NaN."""
     mode, config = case
     if shape in SHAPES_K:
         M, K, N, sizes = SHAPES_K[shape]
@@ -544,7 +547,7 @@ def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
         M, K, N, E = GPU_SHAPES[shape]
         sizes = random_group_sizes(E, M - 37)
     E = len(sizes)
-    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "rowwise")
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "rowwise", gap=0.0)
     flags = torch.arange(E, device=DEVICE) % 2 == 0 if mode == "flagged" else None
     accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
                   "flagged": ACCUMULATE_FLAGGED}[mode]

@@ -341,13 +341,13 @@ def test_no_block_crosses_a_group_boundary(backend, name):
 @pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("sizes, M", [
     ([0, 70, 0, 80, 50], 213),  # empty groups, rows past offsets[-1]
-    ([1, 15, 16, 17, 31, 33, 0, 47], 200),  # starts at many phases of 16
+    ([1, 15, 16, 17, 31, 33, 0, 47, 127, 129, 128], 700),  # starts at many phases of 16 and 128
     ([0, 0, 0], 37),
 ])
-def test_group_data_starts_16_aligned(backend, name, opts, sizes, M):
-    """Group e's rows are rows ``16 * (s_e // 16 + e)`` onwards of ``[Mp, K]`` data (``Mp = 16 * (cdiv(M,
-    16) + E)``), each starting 16 bytes aligned in memory, holding the group quantized on its own; every
-    other row is zero."""
+def test_group_data_starts_128_aligned(backend, name, opts, sizes, M):
+    """Group e's rows are rows ``128 * (s_e // 128 + e)`` onwards of ``[Mp, K]`` data (``Mp = 128 *
+    (cdiv(M, 128) + E)``), each starting 128 bytes into the storage's rows, holding the group quantized on its
+    own; every other row is zero."""
     _, device = backend
     x = planted((M, 48), torch.float32, device)
     x[sum(sizes):] = float("nan")  # rows past offsets[-1] belong to no group
@@ -356,7 +356,7 @@ def test_group_data_starts_16_aligned(backend, name, opts, sizes, M):
     assert q.shape == (Mp, 48) and q.data.stride() == (1, Mp) and q.tokens == M
     covered = torch.zeros(Mp, dtype=torch.bool)
     for first, (s, t) in zip(firsts, bounds_of(sizes)):
-        assert first % 16 == 0 and q.data[first].data_ptr() % 16 == 0
+        assert first % 128 == 0 and (q.data[first].data_ptr() - q.data.data_ptr()) % 128 == 0
         alone, _ = reference_q(x[s:t], name, opts, 0)
         assert torch.equal(raw(q.data[first:first + t - s]).cpu(), raw(alone)), (s, t)
         assert not covered[first:first + t - s].any(), "groups overlap"
@@ -365,23 +365,23 @@ def test_group_data_starts_16_aligned(backend, name, opts, sizes, M):
 
 
 def test_group_rows_never_overlap():
-    """The layout's arithmetic: for any group sizes, each group's rows rounded up to 16 end before the next
-    group's start, and the last group's before Mp."""
+    """The layout's arithmetic: for any group sizes, each group's rows rounded up to 128 end before the
+    next group's start, and the last group's before Mp."""
     rng = torch.Generator().manual_seed(0)
     for _ in range(2000):
         E = int(torch.randint(1, 9, (1,), generator=rng))
-        sizes = torch.randint(0, 70, (E,), generator=rng) * (torch.rand(E, generator=rng) > 0.3)
-        M = int(sizes.sum()) + int(torch.randint(0, 40, (1,), generator=rng))
+        sizes = torch.randint(0, 400, (E,), generator=rng) * (torch.rand(E, generator=rng) > 0.3)
+        M = int(sizes.sum()) + int(torch.randint(0, 200, (1,), generator=rng))
         firsts, Mp = data_rows_of(sizes.tolist(), M)
-        ends = [first + -(-int(size) // 16) * 16 for first, size in zip(firsts, sizes)]
+        ends = [first + -(-int(size) // 128) * 128 for first, size in zip(firsts, sizes)]
         assert all(end <= nxt for end, nxt in zip(ends, firsts[1:] + [Mp])), (sizes.tolist(), M)
-        assert all(first % 16 == 0 for first in firsts)
+        assert all(first % 128 == 0 for first in firsts)
 
 
 def test_group_scale_rows_by_hand(backend):
     """block128 groups of 100, 0, 200 rows in M = 320: group e's block j is scale row s_e // 128 + e + j;
-    the rows no block uses hold 1. The data has 16 * (20 + 3) = 368 rows: group 0 at rows 0-99, group 2
-    at 128-327 (16 * (100 // 16 + 2)); the rest, the 20 tokens past offsets[-1] included, is 0."""
+    the rows no block uses hold 1. The data has 128 * (3 + 3) = 768 rows: group 0 at rows 0-99, group 2
+    at 256-455 (128 * (100 // 128 + 2)); the rest, the 20 tokens past offsets[-1] included, is 0."""
     _, device = backend
     x = (torch.rand(320, 8) + 1.0).to(device)
     x[0:100] *= 448.0 * 2  # group 0: amax in [896, 1792)
@@ -395,9 +395,9 @@ def test_group_scale_rows_by_hand(backend):
     assert bool(((s[3] > 8) & (s[3] <= 16)).all())
     assert torch.equal(s[[1, 4, 5]], torch.ones(3, 8))
     data = raw(q.data).cpu()
-    assert data.shape == (368, 8)
-    assert data[0:100].all() and data[128:328].all()  # x >= 1 quantizes to non-zero bytes
-    assert not data[100:128].any() and not data[328:].any()
+    assert data.shape == (768, 8)
+    assert data[0:100].all() and data[256:456].all()  # x >= 1 quantizes to non-zero bytes
+    assert not data[100:256].any() and not data[456:].any()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -561,16 +561,16 @@ def test_check_quantized_errors():
         (TypeError, r"^x must be a dropless.QuantizedTensor", q.data),
         (TypeError, r"^x.data must be float8_e4m3fn", with_(data=q.data.float())),
         (TypeError, r"^x.scale must be torch.float8_e8m0fnu", with_(scale=q.scale.float())),
-        (ValueError, r"^x.scale must have shape \[4, 96\]", with_(scale=q.scale[:3])),
+        (ValueError, r"^x.scale must have shape \[6, 96\]", with_(scale=q.scale[:3])),
         (ValueError, r"^x.data must have unit stride along its quantized dim 0", with_(data=q.data.contiguous())),
         (ValueError, r"^x.recipe must be one of", with_(recipe=dropless.Recipe("mxfp8", 16))),
         (ValueError, r"^x has offsets, which need 2D data quantized along dim 0",
          with_(dim=1, data=q.data.contiguous())),
         (ValueError, r"^x.offsets must be int32/int64", with_(offsets=q.offsets.float())),
         (ValueError, r"^x.tokens must be the int number of rows M", with_(tokens=None)),
-        (ValueError, r"^x.data must have 16 \* \(cdiv\(M, 16\) \+ E\) = 96 rows for M=64",
+        (ValueError, r"^x.data must have 128 \* \(cdiv\(M, 128\) \+ E\) = 384 rows for M=64",
          with_(data=torch.zeros(96, 64, dtype=FP8_DTYPE).t())),  # x's shape: not the per-group layout
-        (ValueError, r"^x.data must have 16 \* \(cdiv\(M, 16\) \+ E\) = 144 rows for M=100", with_(tokens=100)),
+        (ValueError, r"^x.data must have 128 \* \(cdiv\(M, 128\) \+ E\) = 512 rows for M=200", with_(tokens=200)),
     ]
     for error, match, bad in cases:
         with pytest.raises(error, match=match):

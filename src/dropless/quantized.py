@@ -17,20 +17,22 @@ Layouts (``d`` = the quantized dim, counted from 0):
   - block128x128: ``[..., cdiv(size_{-2}, 128), cdiv(size_{-1}, 128)]`` whatever ``d`` is.
 - With ``offsets`` (``[E]`` cumulative group ends, ``x [M, K]``, d = 0; group e is x's rows
   ``[s_e, t_e)``, ``s_e = offsets[e-1]``), no block crosses a group boundary and every group starts
-  16-aligned in the data, so that a GEMM reads any group's token windows with 16-byte aligned loads
-  (TMA) and the quantization writes them with 16-byte stores:
-  - ``data`` is ``[Mp, K]``, a transposed view of ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16) + E)``
+  at a multiple of A = ``GROUP_ALIGN`` = 128 rows in the data, so that a GEMM reads any group in
+  windows of up to 128 tokens that start 128-byte aligned (whole cache lines, through TMA) and never
+  reach into the next group, and the quantization writes them with aligned 16-byte stores:
+  - ``data`` is ``[Mp, K]``, a transposed view of ``[K, Mp]`` storage, ``Mp = A * (cdiv(M, A) + E)``
     (``grouped_rows``). Group e's rows occupy rows ``[p_e, p_e + t_e - s_e)`` with
-    ``p_e = 16 * (s_e // 16 + e)``; every other row (the gaps between groups and everything past the
-    last group) is zero. These ranges never overlap and fit in Mp: with ``16 * (t_e // 16) >= t_e - 15``
-    and ``16 * (s_e // 16) <= s_e``, ``p_{e+1} - p_e = 16 * (t_e // 16 - s_e // 16) + 16 >= t_e - s_e + 1``,
-    a multiple of 16 larger than the group, so even its rows rounded up to 16 end before ``p_{e+1}``;
-    and ``p_E = 16 * (t_{E-1} // 16 + E) <= Mp`` bounds the last. Rows of x past ``offsets[-1]`` belong
-    to no group and are not stored.
-  - rowwise gives ``scale [E, K]`` (row e: group e's rows); a blockwise recipe of block B gives
-    ``scale [cdiv(M, B) + E, K]`` (``cdiv(M, B) = cdiv(Mp - 16 E, B)``, as 16 divides B) where block j of
-    group e (x's rows ``s_e + j*B`` onwards, data rows ``p_e + j*B`` onwards) is row ``s_e // B + e + j``;
-    rows no block uses hold 1.
+    ``p_e = A * (s_e // A + e)``; every other row (the gaps between groups and everything past the
+    last group) is zero. These ranges never overlap and fit in Mp: with ``A * (t_e // A) >= t_e - A + 1``
+    and ``A * (s_e // A) <= s_e``, ``p_{e+1} - p_e = A * (t_e // A - s_e // A) + A >= t_e - s_e + 1``,
+    a multiple of A larger than the group, so even its rows rounded up to A end before ``p_{e+1}``
+    (a window of the group's last rows reads zeros past them); and ``p_E = A * (t_{E-1} // A + E) <= Mp``
+    bounds the last. Rows of x past ``offsets[-1]`` belong to no group and are not stored.
+  - rowwise gives ``scale [E, K]`` (row e: group e's rows); a blockwise recipe of block B (which divides
+    A) gives ``scale [cdiv(Mp - A E, B) + E, K]`` (``grouped_scale_rows``) where block j of group e (x's
+    rows ``s_e + j*B`` onwards, data rows ``p_e + j*B`` onwards) is row ``s_e // B + e + j``; rows no
+    block uses hold 1. The scale rows, like Mp, follow from M rounded up to A, which is what the data
+    tells.
   Each kernel finds a group's data rows and scales from ``s_e`` alone, with no table of group sizes.
 """
 
@@ -45,12 +47,20 @@ FP8_MAX = 448.0
 E8M0_DTYPE = torch.float8_e8m0fnu
 E8M0_BIAS = 127
 MX_ROUNDINGS = ("floor", "rceil")
-GROUP_ALIGN = 16  # rows: where each group starts in per-group data, 16 bytes of FP8 along the tokens
+GROUP_ALIGN = 128  # rows: where each group starts in per-group data, 128 bytes of FP8 along the tokens
 
 
 def grouped_rows(M: int, E: int) -> int:
     """``Mp``: the rows of the data of ``M`` tokens in ``E`` groups quantized per group along the tokens."""
     return GROUP_ALIGN * (-(-M // GROUP_ALIGN) + E)
+
+
+def grouped_scale_rows(M: int, E: int, block: int | None) -> int:
+    """The scale rows of ``M`` tokens in ``E`` groups quantized per group along the tokens: ``E`` (one scale
+    row per group) or, for blocks of ``block`` tokens, ``cdiv(Mp - A E, block) + E``."""
+    if block is None:
+        return E
+    return -(-GROUP_ALIGN * -(-M // GROUP_ALIGN) // block) + E
 
 
 @dataclass(frozen=True)

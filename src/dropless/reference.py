@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dropless.quantized import (E8M0_BIAS, E8M0_DTYPE, FP8_DTYPE, FP8_MAX, GROUP_ALIGN, QuantizedTensor, Recipe,
-                                grouped_rows)
+                                grouped_rows, grouped_scale_rows)
 
 
 def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
@@ -25,7 +25,8 @@ def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
 
 def group_rows(offsets: torch.Tensor, M: int) -> list[tuple[int, int, int]]:
     """``(start, end, row)`` of each group of M tokens: x's rows ``[start, end)`` (as ``group_bounds``)
-    and ``row = 16 * (start // 16 + e)``, where the group starts in data quantized per group."""
+    and ``row = A * (start // A + e)`` (A = ``GROUP_ALIGN``), where the group starts in data quantized
+    per group."""
     return [(start, end, GROUP_ALIGN * (start // GROUP_ALIGN + e))
             for e, (start, end) in enumerate(group_bounds(offsets, M))]
 
@@ -286,7 +287,7 @@ def quantize(x: torch.Tensor, recipe: Recipe, dim: int, offsets: torch.Tensor | 
     if offsets is not None:
         M, K = x.shape
         data = torch.zeros(K, grouped_rows(M, offsets.shape[0]), dtype=FP8_DTYPE, device=x.device).t()
-        rows = offsets.shape[0] + (-(-M // recipe.block) if recipe.block else 0)
+        rows = grouped_scale_rows(M, offsets.shape[0], recipe.block)
         # Rows no block uses hold 1: 2**0 as an E8M0 byte for mxfp8 (filled through a uint8 view).
         if recipe.name == "mxfp8":
             scale = torch.full((rows, K), E8M0_BIAS, dtype=torch.uint8, device=x.device)

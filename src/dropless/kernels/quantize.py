@@ -25,13 +25,13 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   sizes, which the host never reads. Quantizing along C too (an activation's two orientations), the
   tail's slots read its rows and write them along C, since that output holds every row of x. Each group
   also owns at least one slot, which writes the scale rows of its empty blocks (1). Group g's data starts
-  at row ``p_g = 16 * (starts[g] // 16 + g)`` of the ``[C, Mp]`` storage; its slots write rows ``p_g`` up
-  to ``p_{g+1}`` (its own rows, then zeros), the tail's up to Mp, so every byte of the data is written,
-  in runs of 16 rows that start 16-aligned: the compiler sees it (``tl.multiple_of``) and stores 16 bytes
-  at a time. The slots reach that far: group g spans
-  ``p_{g+1} - p_g = 16 * (starts[g+1] // 16 - starts[g] // 16 + 1)`` rows and owns
-  ``starts[g+1] // BLOCK_R - starts[g] // BLOCK_R + 1`` slots of BLOCK_R rows, a multiple of 16, which is
-  at least as many (likewise the tail). Rowwise scales span the whole R or C extent: a first launch
+  at row ``p_g = A * (starts[g] // A + g)`` (A = ``GROUP_ALIGN`` = 128) of the ``[C, Mp]`` storage; its
+  slots write rows ``p_g`` up to ``p_{g+1}`` (its own rows, then zeros), the tail's up to Mp, so every
+  byte of the data is written, in runs of A rows that start A-aligned: the compiler sees it
+  (``tl.multiple_of``) and stores 16 bytes at a time. The slots reach that far: group g spans
+  ``p_{g+1} - p_g = A * (starts[g+1] // A - starts[g] // A + 1)`` rows and owns
+  ``starts[g+1] // BLOCK_R - starts[g] // BLOCK_R + 1`` slots of BLOCK_R = A rows, as many (likewise
+  the tail, whose slots also write the scale rows up to ``cdiv(Mp - A E, block) + E``). Rowwise scales span the whole R or C extent: a first launch
   (``AMAX_PASS``) takes each tile's partial amax into int32 buffers with ``atomic_max`` on the bits of
   the (non-negative) magnitudes, and a second launch quantizes, reading x again.
 - ``_rowwise_kernel``: rowwise along the last dim of a 2D x; each program owns ``BLOCK_M`` rows, held in
@@ -51,7 +51,7 @@ import triton.language as tl
 
 from dropless.kernels.groups import group_bounds, pick
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
-from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows
+from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows, grouped_scale_rows
 
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 E8M0_ONE = tl.constexpr(127)  # the E8M0 byte of 2**0
@@ -173,9 +173,9 @@ def _tile_kernel(
         reads = live
         if ALONG_C:
             reads = row0 < end
-        # Group g's data rows start at 16 * (starts[g] // 16 + g), 16-aligned (dropless.quantized), and its
+        # Group g's data rows start at A * (starts[g] // A + g), A-aligned (dropless.quantized), and its
         # tiles write every row up to the next group's start, zeros past its own rows: the tiles of
-        # all groups and the tail write each of the DATA_ROWS_R rows once, in whole 16-row (16-byte) runs.
+        # all groups and the tail write each of the DATA_ROWS_R rows once, in whole runs of A rows.
         data_starts = (starts // _GROUP_ALIGN + tl.arange(0, E_POW2)) * _GROUP_ALIGN
         out_row0 = tl.multiple_of(pick(data_starts, group, E_POW2) + local * BLOCK_R, _GROUP_ALIGN)
         out_end = tl.where(group < E, pick(data_starts, group + 1, E_POW2), DATA_ROWS_R)
@@ -333,10 +333,11 @@ def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> 
     if recipe.tile:
         return 128, 128, 16
     if along_r and along_c:
-        return (128, 128, 8) if recipe.block == 128 else (64, 64, 4)
+        if recipe.block == 128:
+            return 128, 128, 8
+        # Tiles numbered per group are GROUP_ALIGN (128) rows (see the module docstring).
+        return (128, 64, 4) if grouped else (64, 64, 4)
     warps = 4 if grouped or recipe.name == "mxfp8" else 8
-    if along_r and grouped and recipe.block is None:
-        return 64, 128, 4  # rowwise per group: 1.0-1.08x 128x64 at the H100's fwd+bwd tensors (NOTES v13)
     return (128, 64, warps) if along_r else (64, 128, warps)
 
 
@@ -369,6 +370,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
         return
     rowwise = recipe.block is None
     data_rows_r = grouped_rows(R, E) if grouped else R
+    scale_rows_r = 0 if rowwise else grouped_scale_rows(R, E, recipe.block) if grouped else cdiv(R, recipe.block)
     amax_r = torch.zeros(E if grouped else BATCH, C, dtype=torch.int32, device=x.device) if rowwise and along_r else x
     amax_c = torch.zeros(BATCH, R, dtype=torch.int32, device=x.device) if rowwise and along_c else x
     for amax_pass in (True, False) if rowwise else (False,):
@@ -376,7 +378,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
             x if offsets is None else offsets,
-            R, C, E, slots, cdiv(R, recipe.block) + E if recipe.block else 0, data_rows_r,
+            R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
             ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
             BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
@@ -396,7 +398,7 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     last stride reads coalesced), on a CUDA device or the CPU under the interpreter. data:
     float8_e4m3fn of x's shape, a view of storage whose last dim is ``dim`` (row-major along the last
     dim; for dim 0 of a 2D x, a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view of
-    ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16) + E)``, each group from a 16-aligned row, zeros between
+    ``[K, Mp]`` storage, ``Mp = 128 * (cdiv(M, 128) + E)``, each group from a 128-aligned row, zeros between
     and after the groups). scale: contiguous, shaped as ``dropless.quantized`` lays it out for
     ``(recipe, dim, offsets)``, fp32 or float8_e8m0fnu (mxfp8).
     offsets: int32/int64 ``[E]`` cumulative group ends (2D x, dim 0, not block128x128), read on the
@@ -431,7 +433,7 @@ def quantize_both(x: torch.Tensor, data_k: torch.Tensor, scale_k: torch.Tensor, 
     whose tail slots also write the rows past ``offsets[-1]`` along K. recipe: block128 or mxfp8 (1 x
     block blocks). x: bf16, fp16 or fp32, any strides. data_k / scale_k: as ``quantize_along``'s dim 1
     (data row-major ``[M, K]``, scale ``[M, cdiv(K, block)]``); data_m / scale_m: as its dim 0 with
-    ``offsets`` (data ``[Mp, K]``, a view of ``[K, Mp]`` storage, scale ``[cdiv(M, block) + E, K]``).
+    ``offsets`` (data ``[Mp, K]``, a view of ``[K, Mp]`` storage, scale ``[cdiv(Mp - 128 E, block) + E, K]``).
     offsets: int32/int64 ``[E]``, read on the device. Every element of the four outputs is written.
     """
     launch_info(x.device)

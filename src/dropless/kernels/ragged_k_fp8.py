@@ -4,21 +4,21 @@
 
 a: float8_e4m3fn [Mp, K] and b: float8_e4m3fn [Mp, N], both quantized per group along the tokens as
 ``dropless.quantized`` lays them out: views of ``[K, Mp]`` and ``[N, Mp]`` storage (the tokens
-contiguous: the K-major layout of Hopper's FP8 tensor cores), ``Mp = 16 * (cdiv(M, 16) + E)``, group e's
+contiguous: the K-major layout of Hopper's FP8 tensor cores), ``Mp = A * (cdiv(M, A) + E)``, group e's
 ``n_e = t_e - s_e`` tokens (``s_e = offsets[e-1]``, ``t_e = offsets[e]``) in rows ``[p_e, p_e + n_e)``,
-``p_e = 16 * (s_e // 16 + e)``, which each program computes from offsets. c: [E, K, N], bf16 or fp32,
+``p_e = A * (s_e // A + e)`` (A = ``GROUP_ALIGN`` = 128), which each program computes from offsets. c: [E, K, N], bf16 or fp32,
 any strides; zero for an empty group, or added into (an fp32 ``main_grad``) for all experts or for those
 whose flag is set, as in ragged_k.py.
 
 Scales (fp32, or E8M0 bytes, see scales.py) restart at every group, so that no block spans two:
 - rowwise (one scale per group and column): ``a_scale [E, K]``, ``b_scale [E, N]``; the accumulator is
   scaled once in the epilogue, ``c[e] = acc * sa[e, :, None] * sb[e, None, :]``;
-- blocks of B tokens: ``a_scale [cdiv(M, B) + E, K]``, ``b_scale [cdiv(M, B) + E, N]``; block j of group
+- blocks of B tokens: ``a_scale [cdiv(Mp - A E, B) + E, K]``, ``b_scale`` likewise with N; block j of group
   e (rows ``p_e + j*B`` onwards) uses row ``s_e // B + e + j``. Each BLOCK_M-row step (BLOCK_M divides
   B) adds its partial product to the accumulator scaled by that row's ``sa[:, None] * sb[None, :]``.
 
-Each tile steps over its group's rows in windows of BLOCK_M (a multiple of 16) from p_e, so every
-window starts 16-aligned along the tokens, where a TMA read must start (16 bytes), and lies inside one
+Each tile steps over its group's rows in windows of BLOCK_M (which divides A) from p_e, so every
+window starts aligned along the tokens, where a TMA read must start (16 bytes), and lies inside one
 token block of the scales. Full windows go without masks; the last, partial one zeroes its rows past the
 group in both operands: they are the next group's rows or zero gaps, and a NaN of the next group must
 not reach this one. Operands come through TMA descriptors of the transposed storage for every recipe,
@@ -147,7 +147,7 @@ def _ragged_k_fp8_kernel(
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     BY_WORK: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
-    """M: the operands' rows Mp. Group bounds are clamped to the ``Mp - 16 E`` tokens (a multiple of 16,
+    """M: the operands' rows Mp. Group bounds are clamped to the ``Mp - A E`` tokens (a multiple of A,
     at least the real M) the data holds, so even malformed offsets keep every group inside the Mp rows
     and its blocks inside the scales (``dropless.quantized``)."""
     tiles_per_group = tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
@@ -188,11 +188,11 @@ def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     """Launch the FP8 ragged-K kernel writing (or adding into) ``c [E, K, N]``; nothing syncs.
 
     a: float8_e4m3fn ``[Mp, K]``; b: float8_e4m3fn ``[Mp, N]``, quantized per group along the tokens
-    (``Mp = 16 * (cdiv(M, 16) + E)`` rows, group e from row ``16 * (s_e // 16 + e)``, the module
+    (``Mp = 128 * (cdiv(M, 128) + E)`` rows, group e from row ``128 * (s_e // 128 + e)``, the module
     docstring's layout; TMA needs ``a.stride(0) == 1`` and ``b.stride(0) == 1`` with 16-byte aligned
     other strides and base pointers, which storage of that layout has; other layouts take the pointer
     path). block: tokens per scale block (a power of two of at least 32), None for one scale per group;
-    a_scale ``[E, K]`` or ``[cdiv(M, block) + E, K]``, b_scale likewise with N, any strides, fp32 or
+    a_scale ``[E, K]`` or ``[cdiv(Mp - 128 E, block) + E, K]``, b_scale likewise with N, any strides, fp32 or
     E8M0 (``float8_e8m0fnu`` or its uint8 view). offsets: int32 ``[E]``; E is c's first dim. c:
     ``[E, K, N]`` written along its last dim (swap the operands, their scales and c's last two dims for
     a transposed view); accumulate: NO_ACCUMULATE, ACCUMULATE_ALL or ACCUMULATE_FLAGGED (then ``flags``
@@ -208,7 +208,7 @@ def ragged_k_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         raise ValueError(f"the token block of the scales must be a power of two of at least {FP8_MIN_STEP}, "
                          f"got {block}")
     if M % GROUP_ALIGN or M < GROUP_ALIGN * E or b.shape[0] != M:
-        raise ValueError(f"a and b must have the rows Mp = 16 * (cdiv(M, 16) + E) of operands quantized per group "
+        raise ValueError(f"a and b must have the rows Mp = 128 * (cdiv(M, 128) + E) of operands quantized per group "
                          f"(E={E}), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     bm = config.block_m if block is None else min(config.block_m, block)
     bn, bk = config.block_n, config.block_k

@@ -17,9 +17,11 @@ again a whole tile later.
 FP8 operands (``TOKENS_MAJOR``) come quantized per group along the tokens, laid out as
 ``dropless.quantized`` says: a ``[Mp, K]`` and b ``[Mp, N]``, views of ``[K, Mp]`` and ``[N, Mp]`` storage
 (the tokens contiguous: the K-major layout of FP8 tensor cores), group e in rows ``[p_e, p_e + n_e)``,
-``p_e = 16 * (s_e // 16 + e)``; ``M`` is then the ``Mp - 16 E`` tokens the data can hold. The stages
-hold ``[BLOCK_K, BLOCK_M]`` and ``[BLOCK_N, BLOCK_M]`` tiles, and the tensor cores accumulate the whole
-group in their fast FP8 mode. With one scale per group and column (rowwise, ``SCALED``), the epilogue
+``p_e = A * (s_e // A + e)`` (A = ``GROUP_ALIGN`` = 128); ``M`` is then the ``Mp - A E`` tokens the data
+can hold. The stages hold ``[BLOCK_K, BLOCK_M]`` and ``[BLOCK_N, BLOCK_M]`` tiles (BLOCK_M divides A), and
+the tensor cores accumulate the whole group in their fast FP8 mode. Every window of BLOCK_M rows starts
+aligned and ends before the next group's rows (the layout's guarantee), so the rows past a group's end
+in its last window are the layout's zeros and need no clearing. With one scale per group and column (rowwise, ``SCALED``), the epilogue
 scales the tile once, ``c[e] = acc * sa[e, :, None] * sb[e, None, :]``.
 
 The last row block of a group is partial: TMA reads whole blocks, so the rows past the group's end
@@ -53,9 +55,11 @@ from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, next_power_of_2
 from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
+from dropless.quantized import GROUP_ALIGN
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
 QUEUE = 2
+_GROUP_ALIGN = gl.constexpr(GROUP_ALIGN)  # rows: where each group of FP8 operands starts
 
 
 @gluon.jit
@@ -79,9 +83,9 @@ def _group_rows(offsets_ptr, group, M):
 @gluon.jit
 def _data_rows(start, end, group, TOKENS_MAJOR: gl.constexpr):
     """Where the tokens ``[start, end)`` of ``group`` sit in the operands' rows: the same rows, or, for
-    FP8 operands laid out per group, from the 16-aligned row ``16 * (start // 16 + group)``."""
+    FP8 operands laid out per group, from the aligned row ``A * (start // A + group)``."""
     if TOKENS_MAJOR:
-        row_start = (start // 16 + group) * 16
+        row_start = (start // _GROUP_ALIGN + group) * _GROUP_ALIGN
         return row_start, row_start + (end - start)
     return start, end
 
@@ -191,20 +195,12 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, 
 
 
 @gluon.jit
-def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, TOKENS_MAJOR: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """Zero the rows ``row0 + i >= end`` of a stage buffer in place: ``[BLOCK_M, WIDTH]``, or
-    ``[WIDTH, BLOCK_M]`` with the rows along its last dim (TOKENS_MAJOR)."""
-    if TOKENS_MAJOR:
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        values = buf.load(layout)
-        values = gl.where((rows < end)[None, :], values, gl.zeros_like(values))
-    else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        values = buf.load(layout)
-        values = gl.where((rows < end)[:, None], values, gl.zeros_like(values))
+def _zero_rows_past(buf, row0, end, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr, num_warps: gl.constexpr):
+    """Zero the rows ``row0 + i >= end`` of a ``[BLOCK_M, WIDTH]`` stage buffer in place."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    values = buf.load(layout)
+    values = gl.where((rows < end)[:, None], values, gl.zeros_like(values))
     buf.store(values)
 
 
@@ -259,14 +255,14 @@ def _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
         a_buf = a_bufs.index(slot)
         b_buf = b_bufs.index(slot)
-        if row + BLOCK_M > end:
-            _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, TOKENS_MAJOR, num_warps)
-            _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, TOKENS_MAJOR, num_warps)
-            fence_async_shared()
-            gl.thread_barrier()
         if TOKENS_MAJOR:
             acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
         else:
+            if row + BLOCK_M > end:
+                _zero_rows_past(a_buf, row, end, BLOCK_M, BLOCK_K, num_warps)
+                _zero_rows_past(b_buf, row, end, BLOCK_M, BLOCK_N, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
             acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
         # At most one MMA in flight: the previous step's is done, so its slot can be refilled.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -374,9 +370,11 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     """
     E = c.shape[0]
     tokens_major = a.element_size() == 1
-    M = a.shape[0] - 16 * E if tokens_major else a.shape[0]
+    M = a.shape[0] - GROUP_ALIGN * E if tokens_major else a.shape[0]
     K, N = a.shape[1], b.shape[1]
     bm, bk, bn = config.block_m, config.block_k, config.block_n
+    if tokens_major and GROUP_ALIGN % bm:
+        raise ValueError(f"FP8 operands need token steps that divide {GROUP_ALIGN}, got block_m={bm}")
     total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets

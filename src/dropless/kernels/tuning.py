@@ -165,7 +165,7 @@ _RAGGED_M_FP8_STEP32 = Autotuner(
 # (token blocks of 128, or one scale per group with precise accumulation): 128x128 output tiles. The same
 # H100 probe (M=16384, K=N=2048, E=8): rowwise 677 TFLOP/s promoted, 1008 with fast accumulation;
 # blockwise scales then took the pointer path (groups started anywhere along the tokens, where TMA
-# cannot read): 64-66 TFLOP/s. Groups now start 16-aligned in the data and every recipe reads through
+# cannot read): 64-66 TFLOP/s. Groups now start aligned in the data and every recipe reads through
 # TMA; these candidates were chosen before that and are not yet measured on it.
 _RAGGED_K_FP8 = Autotuner(
     "ragged_k_fp8",
@@ -333,13 +333,13 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     ``config``; nothing syncs with the host.
 
     a: float8_e4m3fn ``[Mp, K]``, b: float8_e4m3fn ``[Mp, N]``, both quantized per group along the tokens
-    of M tokens in E groups as ``dropless.quantized`` lays them out: ``Mp = 16 * (cdiv(M, 16) + E)`` rows,
-    group e from row ``16 * (s_e // 16 + e)``, zeros between, the tokens contiguous (views of ``[K, Mp]``
+    of M tokens in E groups as ``dropless.quantized`` lays them out: ``Mp = 128 * (cdiv(M, 128) + E)`` rows,
+    group e from row ``128 * (s_e // 128 + e)``, zeros between, the tokens contiguous (views of ``[K, Mp]``
     and ``[N, Mp]`` storage, which TMA reads for every recipe); c: ``[E, K, N]`` bf16 or fp32, any
     strides (a transposed view is computed as ``c^T = b^T a``, so its stores stay along its contiguous
     dim); E is offsets' length and c's first dim. block: tokens per scale block (128 for block128, 32 for
     mxfp8; a power of two of at least 32), None for rowwise. a_scale: ``[E, K]`` (rowwise) or
-    ``[cdiv(M, block) + E, K]``, b_scale likewise with N, laid out as ``dropless.quantized`` says, any
+    ``[cdiv(Mp - 128 E, block) + E, K]``, b_scale likewise with N, laid out as ``dropless.quantized`` says, any
     strides, fp32 or E8M0. accumulate and flags: as ``run_ragged_k``. fast_accum: see ``ragged_k_fp8_mm``.
     """
     if weight_nk(c):

@@ -49,7 +49,7 @@ def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
 def launch_ragged_k_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.Tensor, c: torch.Tensor,
                         accumulate: int, flags: torch.Tensor | None, config: GemmConfig | None = None) -> None:
     """``c[e] (+)= a_e^T b_e`` of ``a`` and ``b`` quantized along the tokens per group (data ``[Mp, K]`` and
-    ``[Mp, N]``, each group from a 16-aligned row), into (or added to) ``c [E, K, N]`` (any strides); no
+    ``[Mp, N]``, each group from a 128-aligned row), into (or added to) ``c [E, K, N]`` (any strides); no
     host sync."""
     run_ragged_k_fp8(a.data, _raw(a.scale), b.data, _raw(b.scale), a.recipe.block, offsets, c, accumulate, flags,
                      fast_accum=a.recipe.name == "rowwise", config=config)

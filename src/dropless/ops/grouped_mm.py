@@ -250,7 +250,7 @@ def _check_fp8_operands(a: torch.Tensor | QuantizedTensor, name: str, b: torch.T
 
 def _rows(t: torch.Tensor | QuantizedTensor) -> int:
     """M of a wgrad operand: its rows, or those of the tensor a per-group QuantizedTensor was quantized
-    from (its data has ``16 * (cdiv(M, 16) + E)``)."""
+    from (its data has ``128 * (cdiv(M, 128) + E)``)."""
     if isinstance(t, QuantizedTensor) and t.offsets is not None and isinstance(t.tokens, int):
         return t.tokens
     return t.shape[0]

@@ -10,7 +10,7 @@ pair for as long as the weight does not change (``GroupedLinear`` does, per weig
 once per optimizer step. The three products are ``torch.library`` custom ops on raw tensors (data,
 scale, recipe name), so ``torch.compile`` traces the autograd function that composes them; nothing
 reads group sizes on the host. The wgrad's operands are quantized per group along the tokens, every
-group starting at a 16-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
+group starting at a 128-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
 its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
 (backward) are needed, one ``quantize_pair`` writes them from one read (one launch for the blockwise
 recipes).
@@ -40,8 +40,9 @@ def _operands(a_data, a_scale, b_data, b_scale, recipe: str, offsets, token_dim:
     """The QuantizedTensors of a product's raw operands, as the GEMM recipe ``recipe`` lays them out."""
     act, weights = operand_recipes(get_recipe(recipe))
     if token_dim:
-        # The raw data tells M only rounded up to 16 (Mp - 16 E), the bound the kernel clamps groups to;
-        # the product reads no token past offsets[-1], so that stands for M.
+        # The raw data tells M only rounded up to GROUP_ALIGN (Mp - GROUP_ALIGN * E), the bound the kernel
+        # clamps groups to, from which the scale rows follow too; the product reads no token past
+        # offsets[-1], so that stands for M.
         tokens = a_data.shape[0] - GROUP_ALIGN * offsets.shape[0]
         return (QuantizedTensor(a_data, a_scale, act, 0, offsets, tokens),
                 QuantizedTensor(b_data, b_scale, act, 0, offsets, tokens))

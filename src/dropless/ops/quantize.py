@@ -23,7 +23,8 @@ from dropless.kernels.launch import cdiv
 from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
 from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets
 from dropless.ops.direct import DirectOp
-from dropless.quantized import FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows
+from dropless.quantized import (FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows,
+                               grouped_scale_rows)
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -33,8 +34,7 @@ def scale_shape(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups: in
     along ``dim`` (non-negative) with ``recipe``, per group of ``num_groups`` along dim 0 when given
     (``dropless.quantized``'s layouts)."""
     if num_groups is not None:
-        rows = num_groups if recipe.block is None else cdiv(shape[0], recipe.block) + num_groups
-        return (rows, shape[1])
+        return (grouped_scale_rows(shape[0], num_groups, recipe.block), shape[1])
     if recipe.tile:
         return (*shape[:-2], cdiv(shape[-2], 128), cdiv(shape[-1], 128))
     size = 1 if recipe.block is None else cdiv(shape[dim], recipe.block)
@@ -177,14 +177,14 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         dim: the quantized (contraction) dim: 0 or 1 (-2, -1) for a 2D x, 1 or 2 (-2, -1) for a 3D x.
         offsets: int32/int64 ``[E]`` cumulative group ends on x's device, for a 2D x along dim 0
             (the tokens, as a weight gradient reads them): blocks restart at every group start, every
-            group starts at a 16-aligned row of the data and rows past ``offsets[-1]`` are not stored.
+            group starts at a 128-aligned row of the data and rows past ``offsets[-1]`` are not stored.
             Not with block128x128. Read on the device.
         pow2: round fp32 scales up to powers of two (rowwise, block128, block128x128).
         mx_rounding: mxfp8's scale exponent, ``"floor"`` (OCP MX, the default) or ``"rceil"``.
     Returns:
         A ``QuantizedTensor``: data float8_e4m3fn of x's shape with unit stride along dim (dim 0 of a
         2D x: a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view of ``[K, Mp]``
-        storage with ``Mp = 16 * (cdiv(M, 16) + E)``, each group starting 16-aligned, zeros between),
+        storage with ``Mp = 128 * (cdiv(M, 128) + E)``, each group starting 128-aligned, zeros between),
         scale contiguous, fp32 or float8_e8m0fnu, as ``dropless.quantized`` lays them out; offsets kept as
         int32, and M as ``tokens``. No host sync on the Triton backend.
     """
@@ -220,8 +220,8 @@ def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, 
         offsets: int32/int64 ``[E]`` cumulative group ends on x's device, read on the device.
     Returns:
         ``(along K, along the tokens)``: data ``[M, K]`` row-major with scales ``[M, cdiv(K, block)]``
-        (rowwise ``[M, 1]``), and data ``[Mp, K]`` (a view of ``[K, Mp]`` storage, ``Mp = 16 * (cdiv(M, 16)
-        + E)``) with scales ``[cdiv(M, block) + E, K]`` (rowwise ``[E, K]``). No host sync on the Triton
+        (rowwise ``[M, 1]``), and data ``[Mp, K]`` (a view of ``[K, Mp]`` storage, ``Mp = 128 * (cdiv(M, 128)
+        + E)``) with scales ``[cdiv(Mp - 128 E, block) + E, K]`` (rowwise ``[E, K]``). No host sync on the Triton
         backend.
     """
     r = _resolve_recipe(recipe, pow2, mx_rounding)
@@ -264,7 +264,7 @@ def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int |
     """Raise a TypeError or ValueError naming ``name`` unless ``q`` is a ``QuantizedTensor`` laid out as
     ``dropless.quantized`` says: float8_e4m3fn data with unit stride along ``q.dim``, a scale of its
     recipe's dtype and shape (any strides: a transposed view of a weight's scales is one) (per group with offsets: ``q.tokens`` rows M and data of
-    ``16 * (cdiv(M, 16) + E)`` rows), all on one device; with ``ndim`` /
+    ``128 * (cdiv(M, 128) + E)`` rows), all on one device; with ``ndim`` /
     ``dim``, also of that rank and quantized along that dim."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"{name} must be a dropless.QuantizedTensor, got {type(q).__name__}")
@@ -307,7 +307,7 @@ def check_quantized(name: str, q: object, *, ndim: int | None = None, dim: int |
             raise ValueError(f"{name}.tokens must be the int number of rows M of the quantized tensor, "
                              f"got {q.tokens!r}")
         if data.shape[0] != grouped_rows(q.tokens, groups):
-            raise ValueError(f"{name}.data must have 16 * (cdiv(M, 16) + E) = {grouped_rows(q.tokens, groups)} rows "
+            raise ValueError(f"{name}.data must have 128 * (cdiv(M, 128) + E) = {grouped_rows(q.tokens, groups)} rows "
                              f"for M={q.tokens} tokens in E={groups} groups, got shape {shape}")
         shape = (q.tokens, data.shape[1])
     expected = scale_shape(shape, q.recipe, q.dim, groups)
