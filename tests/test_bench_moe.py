@@ -11,13 +11,13 @@ import pytest
 pytest.importorskip("transformers", minversion="5.0")
 
 from dropless.bench.__main__ import main  # noqa: E402
-from dropless.bench.moe import METHODS  # noqa: E402
+from dropless.bench.moe import BF16_METHODS  # noqa: E402
 from dropless.bench.moe_layers import QUICK_CONFIGS  # noqa: E402
 from dropless.bench.moe_report import MOE_END, MOE_START  # noqa: E402
 from dropless.bench.readme import END, START  # noqa: E402
 
 ROW_KEYS = {"config", "T", "E", "k", "d", "d_ff", "shared_d_ff", "method", "ms", "ms_rounds", "tflops",
-            "fraction_of_dense", "peak_gib", "max_rel_err", "rel_errs", "failed", "error"}
+            "fraction_of_dense", "peak_gib", "weight_cache_gib", "max_rel_err", "rel_errs", "failed", "error"}
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,13 @@ def test_quick_moe_writes_json_and_plot(quick_run):
     assert {"gpu", "torch", "triton", "commit", "date", "transformers", "flops", "dense", "tolerance"} <= set(meta)
     assert meta["quick"] and meta["benchmark"] == "moe"
     rows = result["rows"]
-    assert [(r["config"], r["method"]) for r in rows] == [(c.name, m) for c in QUICK_CONFIGS for m in METHODS]
+    assert [(r["config"], r["method"]) for r in rows] == [(c.name, m) for c in QUICK_CONFIGS for m in BF16_METHODS]
     assert all(set(r) == ROW_KEYS for r in rows)
     for r in rows:
         # On the CPU every method runs, torch._grouped_mm and transformers' blocks included.
         assert not r["failed"], r
         assert r["ms"] > 0 and r["tflops"] > 0 and r["fraction_of_dense"] > 0 and r["peak_gib"] is None
+        assert r["weight_cache_gib"] is None
         assert len(r["ms_rounds"]) == meta["rounds"] and r["ms"] == statistics.median(r["ms_rounds"])
         if r["method"] == "dense":
             assert r["fraction_of_dense"] == 1 and r["max_rel_err"] is None
@@ -84,3 +85,30 @@ def test_readme_without_moe_markers_is_left_alone(quick_run, tmp_path):
 
 def test_unknown_config_is_an_error(tmp_path):
     assert main(["moe", "--quick", "--configs", "nope", "--out", str(tmp_path)]) == 2
+
+
+def test_fp8_methods_run_beside_bf16(tmp_path):
+    """``--fp8``: dropless.MoE with FP8 expert GEMMs, checked with the FP8 tolerance (and off the
+    reference by more than BF16 is, so FP8 did run), its cached weight copies reported."""
+    import dropless
+
+    dropless.set_backend("reference")
+    try:
+        assert main(["moe", "--quick", "--configs", "qwen3", "--methods", "dropless", "--fp8", "rowwise", "block128",
+                     "--out", str(tmp_path), "--name", "fp8"]) == 0
+    finally:
+        dropless.set_backend("auto")
+    result = json.loads((tmp_path / "fp8.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["dropless", "dropless_rowwise", "dropless_block128"]
+    bf16 = rows["dropless"]
+    for method in ("dropless_rowwise", "dropless_block128"):
+        r = rows[method]
+        assert not r["failed"] and r["ms"] > 0, r
+        assert bf16["max_rel_err"] < r["max_rel_err"] <= result["meta"]["fp8_tolerance"]
+        assert r["weight_cache_gib"] > 0
+
+
+def test_unknown_fp8_recipe_is_an_error(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["moe", "--quick", "--fp8", "fp4", "--out", str(tmp_path)])

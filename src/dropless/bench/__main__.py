@@ -15,8 +15,8 @@ from dropless.bench.fp8 import Fp8Options, format_fp8_table, format_quantization
 from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.gemm import GemmOptions, run_gemm
 from dropless.bench.merge import merge_results
+from dropless.bench.moe import BF16_METHODS, MoEOptions, run_moe
 from dropless.bench.moe import METHODS as MOE_METHODS
-from dropless.bench.moe import MoEOptions, run_moe
 from dropless.bench.moe_layers import CONFIGS as MOE_CONFIGS
 from dropless.bench.options import FULL_TIMING, QUICK_TIMING, ROUNDS, RunOptions
 from dropless.bench.peers import METHODS
@@ -25,6 +25,7 @@ from dropless.bench.problem import PASSES
 from dropless.bench.readme import END, START, render, update_readme
 from dropless.bench.report import format_summary, format_table, read_json, write_json
 from dropless.bench.routing import ROUTINGS
+from dropless.quantized import GEMM_RECIPES
 
 RESULTS = Path("benchmarks/results")
 
@@ -79,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         "moe", help="time the whole MoE layer (fwd+bwd) of dropless, a torch._grouped_mm layer and "
                     "transformers' blocks on the same weights"), "moe", "tiny layers")
     moe.add_argument("--configs", nargs="+", help=f"of {[c.name for c in MOE_CONFIGS]} (default: all)")
-    moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: all)")
+    moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: the BF16 ones)")
+    moe.add_argument("--fp8", nargs="+", default=(), choices=GEMM_RECIPES, metavar="RECIPE",
+                     help=f"also run dropless.MoE with FP8 expert GEMMs in these recipes, of {list(GEMM_RECIPES)}")
 
     merge = sub.add_parser("merge", help="join result files of runs split by shape into one")
     merge.add_argument("results", nargs="+", type=Path, help="result JSON files of disjoint shapes")
@@ -138,8 +141,8 @@ def _fp8(args: argparse.Namespace) -> int:
 
 
 def _moe(args: argparse.Namespace) -> int:
-    opts = MoEOptions(configs=_names(args.configs), methods=_names(args.methods) or tuple(MOE_METHODS),
-                      **_run_options(args))
+    opts = MoEOptions(configs=_names(args.configs), methods=_names(args.methods) or BF16_METHODS,
+                      fp8=tuple(args.fp8), **_run_options(args))
     return _run(args, "moe", lambda: run_moe(opts), opts, moe_report.plot,
                 lambda result: [moe_report.format_table(result)])
 

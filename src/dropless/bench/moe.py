@@ -13,6 +13,12 @@ the run goes on.
 
 The timed step is ``y = layer(x)`` then ``torch.autograd.grad(y, [x, *params], dy)``: forward and the
 full backward, weight gradients written fresh each time (nothing accumulates into ``.grad``).
+
+FP8 methods (``dropless_<recipe>``: ``dropless.MoE(recipe=...)``, asked for with ``fp8``) are checked
+against the same reference with the FP8 benchmark's tolerance. Their weights do not change between
+steps, so every timed step reuses the weights' FP8 copies, as the micro-batches of a training step do;
+the copies' size is the row's ``weight_cache_gib``, beside ``peak_gib`` (which, as for every method,
+counts what one step allocates).
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import torch
 
 from dropless.bench.check import TOLERANCE, rel_err
 from dropless.bench.environment import describe
+from dropless.bench.fp8 import FP8_TOLERANCE
 from dropless.bench.gemm import _describe_error
 from dropless.bench.options import RunOptions
 from dropless.bench.moe_layers import (Built, LayerConfig, Weights, build_dropless, build_hf, build_torch_grouped_mm,
                                        make_weights, reference, select_configs)
 from dropless.bench.timing import median_ms, round_order
 from dropless.kernels.tuning import tuned_configs
+from dropless.quantized import GEMM_RECIPES
 
 __all__ = ["METHODS", "MoEOptions", "run_moe"]
 
@@ -65,6 +73,9 @@ METHODS: dict[str, Builder] = {
     "hf_eager": lambda cfg, w: build_hf(cfg, w, "eager"),
     "hf_dropless": lambda cfg, w: build_hf(cfg, w, "dropless"),
 }
+BF16_METHODS = tuple(METHODS)
+METHODS |= {f"dropless_{recipe}": (lambda cfg, w, recipe=recipe: build_dropless(cfg, w, recipe))
+            for recipe in GEMM_RECIPES}
 # The results checked against the fp32 reference: output, input gradient, every weight gradient.
 CHECKED = ("y", "dx", "router", "gate_up", "down", "shared_gate_up", "shared_down")
 
@@ -74,12 +85,18 @@ class MoEOptions(RunOptions):
     """Which layer configs and methods to run, and how (see ``RunOptions``)."""
 
     configs: Sequence[str] | None = None
-    methods: Sequence[str] = tuple(METHODS)
+    methods: Sequence[str] = BF16_METHODS
     dtype: torch.dtype | None = None  # default: bf16 on a GPU, fp32 on the CPU
+    fp8: Sequence[str] = ()  # recipes whose dropless FP8 method runs besides ``methods``
 
     def __post_init__(self) -> None:
         if self.dtype is None:
             self.dtype = self.default_dtype()
+        unknown = [r for r in self.fp8 if r not in GEMM_RECIPES]
+        if unknown:
+            raise ValueError(f"unknown FP8 recipe(s) {unknown}; choose from {list(GEMM_RECIPES)}")
+        extra = [f"dropless_{r}" for r in self.fp8 if f"dropless_{r}" not in self.methods]
+        self.methods = (*self.methods, *extra)
 
 
 def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:
@@ -110,7 +127,9 @@ def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, fi
         max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference layer (host loop over experts), "
                     f"largest over {list(CHECKED)} (weight gradients in the layouts of dropless.MoE); "
                     "rel_errs has each",
-        tolerance=TOLERANCE[opts.dtype],
+        tolerance=TOLERANCE[opts.dtype], fp8_tolerance=FP8_TOLERANCE,
+        weight_cache_gib="FP8 methods: GiB of the experts' cached FP8 weight copies (both orientations, with "
+                         "scales), held between steps and made again only when the weights change",
         routing="random router weights, softmax in fp32 in every method from the same bf16 weights and "
                 "input, so every method picks the same experts",
         hf_router="transformers' Mixtral and Qwen3-MoE routers run on fp32 inputs and weights (wrapped; "
@@ -140,7 +159,8 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
     base = {"config": cfg.name, "T": cfg.T, "E": cfg.E, "k": cfg.k, "d": cfg.d, "d_ff": cfg.d_ff,
             "shared_d_ff": cfg.shared_d_ff}
     rows = {m: {**base, "method": m, "ms": None, "ms_rounds": None, "tflops": None, "fraction_of_dense": None,
-                "peak_gib": None, "max_rel_err": None, "rel_errs": None, "failed": False, "error": None}
+                "peak_gib": None, "weight_cache_gib": None, "max_rel_err": None, "rel_errs": None,
+                "failed": False, "error": None}
             for m in opts.methods}
     samples: dict[str, list[float]] = {m: [] for m in opts.methods}
     weights = make_weights(cfg, opts.dtype, opts.device, opts.seed)
@@ -161,6 +181,7 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
                         log(f"{cfg.name} {method}: failed the check ({row['error'] or row['max_rel_err']})")
                         continue
                     row["peak_gib"] = _peak_gib(step, opts.device)
+                    row["weight_cache_gib"] = _weight_cache_gib(built)
                 samples[method].append(median_ms(step, opts.device, opts.warmup, opts.rep))
             except Exception as exc:  # recorded as the row's error; the benchmark goes on
                 row["failed"] = True
@@ -217,7 +238,7 @@ def _check(step: Callable[[], tuple], built: Built | Dense, ref: dict[str, torch
     checked = [errs[n] for n in CHECKED if n in errs]
     err = math.nan if any(math.isnan(e) for e in checked) else max(checked)
     row["max_rel_err"] = err if math.isfinite(err) else None
-    if not err <= TOLERANCE[opts.dtype]:
+    if not err <= (FP8_TOLERANCE if row["method"].startswith("dropless_") else TOLERANCE[opts.dtype]):
         row["failed"] = True
         row["error"] = None if math.isfinite(err) else "non-finite result"
         return False
@@ -236,6 +257,18 @@ def _peak_gib(step: Callable[[], tuple], device: torch.device) -> float | None:
     peak = torch.cuda.max_memory_allocated(device) - before
     del out
     return peak / 2**30
+
+
+def _weight_cache_gib(built: Built | Dense) -> float | None:
+    """GiB of the FP8 weight copies the layer's GroupedLinears hold; None where it holds none."""
+    if isinstance(built, Dense):
+        return None
+    total = 0
+    for module in built.module.modules():
+        pair = getattr(getattr(module, "weight_cache", None), "_pair", None)
+        for q in pair or ():
+            total += q.data.untyped_storage().nbytes() + q.scale.untyped_storage().nbytes()
+    return total / 2**30 if total else None
 
 
 def _release(device: torch.device) -> None:

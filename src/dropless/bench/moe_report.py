@@ -11,7 +11,8 @@ MOE_START = "<!-- moe-table:start -->"
 MOE_END = "<!-- moe-table:end -->"
 LABELS = {"dense": "dense mm", "dropless": "dropless.MoE", "torch_grouped_mm": "torch._grouped_mm layer",
           "hf_grouped_mm": "transformers grouped_mm", "hf_eager": "transformers eager",
-          "hf_dropless": "transformers + dropless"}
+          "hf_dropless": "transformers + dropless", "dropless_rowwise": "dropless.MoE FP8 rowwise",
+          "dropless_block128": "dropless.MoE FP8 block128", "dropless_mxfp8": "dropless.MoE FP8 mxfp8"}
 
 
 def _fmt(value: float | None, spec: str) -> str:
