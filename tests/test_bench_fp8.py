@@ -10,7 +10,9 @@ import pytest
 from dropless.bench.__main__ import main
 from dropless.bench.fp8 import add_fp8_keys, method_recipe, quantization_bytes
 from dropless.bench.fp8_peers import FP8_METHODS
+from dropless.bench.fp8_report import FP8_END, FP8_START
 from dropless.bench.problem import PASSES
+from dropless.bench.readme import END, START
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import QUICK_SHAPES
 
@@ -100,3 +102,20 @@ def test_split_runs_merge(tmp_path):
     weights = [r for r in merged["quantization"] if r["operand"] == "weight"]
     assert len(weights) == 3 * 2  # three recipes at the two quick E, once
     assert {r["shape"] for r in merged["quantization"] if r["operand"] == "activation"} == {"tiny-few", "tiny-many"}
+
+
+def test_readme_fp8_table_between_markers(quick_run, tmp_path):
+    """``readme`` writes the FP8 table (every shape and routing of the run, and the quantization table)
+    between its markers and leaves the GEMM table's alone."""
+    readme, source = tmp_path / "README.md", tmp_path / "fp8-quick.json"
+    source.write_text(json.dumps(quick_run))
+    readme.write_text(f"# dropless\n\n{START}\ngemm\n{END}\n\n{FP8_START}\nstale\n{FP8_END}\n\nafter\n")
+    assert main(["readme", str(source), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "stale" not in text and text.endswith(f"{FP8_END}\n\nafter\n")
+    assert f"{START}\ngemm\n{END}" in text
+    block = text[text.index(FP8_START):text.index(FP8_END)]
+    shapes = {r["shape"] for r in quick_run["rows"]}
+    assert all(f"| {s} (" in block for s in shapes)
+    assert sum(line.startswith(f"| {s} (") for s in shapes for line in block.splitlines()) == 2 * len(shapes)
+    assert "| rowwise |" in block  # the quantization table

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dropless.bench import moe_report
+from dropless.bench import fp8_report, moe_report
 from dropless.bench.environment import device_name, slug
 from dropless.bench.fp8 import Fp8Options, format_fp8_table, format_quantization_table, run_fp8
 from dropless.bench.fp8_peers import FP8_METHODS
@@ -89,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", type=Path, required=True, help="the merged JSON file to write")
     merge.add_argument("--commit", help="commit of the code the runs ran (default: the first run's)")
 
-    readme = sub.add_parser("readme", help=f"regenerate README.md's tables between {START} and {END} (GEMM) "
-                                           f"and between {moe_report.MOE_START} and {moe_report.MOE_END} (MoE layer)")
+    readme = sub.add_parser("readme", help=f"regenerate README.md's tables between {START} and {END} (GEMM), "
+                                           f"{fp8_report.FP8_START} and {fp8_report.FP8_END} (FP8) and "
+                                           f"{moe_report.MOE_START} and {moe_report.MOE_END} (MoE layer)")
     readme.add_argument("results", nargs="*", type=Path,
-                        help=f"result JSON files (default: {RESULTS}/gemm-*.json and {RESULTS}/moe-*.json, "
+                        help=f"result JSON files (default: {RESULTS}/gemm-*.json, fp8-*.json and moe-*.json, "
                              "quick runs left out)")
     readme.add_argument("--readme", type=Path, default=Path("README.md"),
                         help="README to update (default: %(default)s)")
@@ -166,7 +167,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _readme(args: argparse.Namespace) -> int:
-    paths = args.results or sorted(RESULTS.glob("gemm-*.json")) + sorted(RESULTS.glob("moe-*.json"))
+    paths = args.results or [p for kind in ("gemm", "fp8", "moe") for p in sorted(RESULTS.glob(f"{kind}-*.json"))]
     try:
         results = [(p.name, read_json(p)) for p in paths]
     except (OSError, ValueError) as exc:
@@ -175,8 +176,9 @@ def _readme(args: argparse.Namespace) -> int:
     if not args.results:
         results = [(n, r) for n, r in results if not r["meta"].get("quick")]
     moe_results = [(n, r) for n, r in results if moe_report.is_moe_result(r)]
-    results = [(n, r) for n, r in results if not moe_report.is_moe_result(r)]
-    if not results and not moe_results:
+    fp8_results = [(n, r) for n, r in results if fp8_report.is_fp8_result(r)]
+    results = [(n, r) for n, r in results if not moe_report.is_moe_result(r) and not fp8_report.is_fp8_result(r)]
+    if not results and not moe_results and not fp8_results:
         print(f"error: no result files given and none in {RESULTS}", file=sys.stderr)
         return 2
     if results:
@@ -187,6 +189,14 @@ def _readme(args: argparse.Namespace) -> int:
             print(block)
             print(f"\n{args.readme} has no {START} ... {END} markers (or does not exist): "
                   "the table is printed above and no file was changed", file=sys.stderr)
+    if fp8_results:
+        block = fp8_report.render(fp8_results)
+        if update_readme(args.readme, block, fp8_report.FP8_START, fp8_report.FP8_END):
+            print(f"updated the FP8 table in {args.readme} from {', '.join(n for n, _ in fp8_results)}")
+        elif args.results:
+            print(block)
+            print(f"\n{args.readme} has no {fp8_report.FP8_START} ... {fp8_report.FP8_END} markers (or does not "
+                  "exist): the FP8 table is printed above and no file was changed", file=sys.stderr)
     if moe_results:
         block = moe_report.render(moe_results)
         if moe_report.update_readme(args.readme, block):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from dropless.bench import readme
 from dropless.bench.report import headline, unique
 
 MOE_START = "<!-- moe-table:start -->"
@@ -125,11 +126,4 @@ def is_moe_result(result: dict) -> bool:
 def update_readme(path: Path, block: str) -> bool:
     """Write ``block`` between ``MOE_START`` and ``MOE_END`` of the README at ``path``; False (and
     nothing written) if it has no such markers in order."""
-    if not path.is_file():
-        return False
-    text = path.read_text()
-    start, end = text.find(MOE_START), text.find(MOE_END)
-    if start < 0 or end < start:
-        return False
-    path.write_text(f"{text[:start + len(MOE_START)]}\n{block}\n{text[end:]}")
-    return True
+    return readme.update_readme(path, block, MOE_START, MOE_END)

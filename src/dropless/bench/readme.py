@@ -51,20 +51,21 @@ def render(results: Sequence[tuple[str, dict]]) -> str:
     return "\n\n".join(render_table(result, source) for source, result in results)
 
 
-def replace_between_markers(text: str, block: str) -> str | None:
-    """``text`` with everything between ``START`` and ``END`` replaced by ``block``; None if the
-    markers are missing or out of order."""
-    start, end = text.find(START), text.find(END)
+def replace_between_markers(text: str, block: str, start_marker: str = START, end_marker: str = END) -> str | None:
+    """``text`` with everything between ``start_marker`` and ``end_marker`` (the GEMM table's by default)
+    replaced by ``block``; None if the markers are missing or out of order."""
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return None
-    return f"{text[:start + len(START)]}\n{block}\n{text[end:]}"
+    return f"{text[:start + len(start_marker)]}\n{block}\n{text[end:]}"
 
 
-def update_readme(path: Path, block: str) -> bool:
-    """Write ``block`` between the markers of the README at ``path``; False if it has none."""
+def update_readme(path: Path, block: str, start_marker: str = START, end_marker: str = END) -> bool:
+    """Write ``block`` between the markers of the README at ``path``; False (and nothing written) if it
+    has none in order."""
     if not path.is_file():
         return False
-    text = replace_between_markers(path.read_text(), block)
+    text = replace_between_markers(path.read_text(), block, start_marker, end_marker)
     if text is None:
         return False
     path.write_text(text)
