@@ -326,17 +326,18 @@ _ROWWISE_WARPS = 4
 
 def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen
-    by measurement on an H100. fp32-scaled recipes along one dim run 8 warps (32 elements a thread);
-    mxfp8, the per-group tiles and a weight's two orientations run 4, which keeps their block and group
-    reductions inside fewer warps (8 warps lost up to 40% there). Both orientations of block128's 1x128
+    by measurement on an H100 (benchmarks/results/probes). fp32-scaled recipes along one dim run 8 warps
+    (32 elements a thread); mxfp8, the per-group tiles and a weight's two orientations run 4, which keeps
+    their block and group reductions inside fewer warps (8 warps lost up to 40% there). Both orientations of block128's 1x128
     blocks need 128x128 tiles, on 8 warps (not measured)."""
     if recipe.tile:
         return 128, 128, 16
     if along_r and along_c:
         if recipe.block == 128:
             return 128, 128, 8
-        # Tiles numbered per group are GROUP_ALIGN (128) rows (see the module docstring).
-        return (128, 64, 4) if grouped else (64, 64, 4)
+        # Tiles numbered per group are GROUP_ALIGN (128) rows (see the module docstring). A weight's two
+        # orientations: 64x128 ran mxfp8 at 1.2-1.6x 64x64 and rowwise alike (NOTES v13).
+        return (128, 64, 4) if grouped else (64, 128, 4)
     warps = 4 if grouped or recipe.name == "mxfp8" else 8
     return (128, 64, warps) if along_r else (64, 128, warps)
 
