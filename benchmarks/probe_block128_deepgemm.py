@@ -31,7 +31,7 @@ def ms(fn) -> float:
 
 
 def main() -> None:
-    configs = [GemmConfig(128, 128, 128, num_warps=8, num_stages=s, gluon=True) for s in (4, 5, 6)]
+    configs = [GemmConfig(128, 128, 128, num_warps=8, num_stages=s, gluon=True) for s in (3, 4, 5)]
     configs += tuning._RAGGED_M_FP8_STEP128.candidates
     print("| groups x rows, N, K | bf16 | rowwise (Gluon) | " + " | ".join(f"block128 {c}" for c in configs) + " |")
     for E, rows, N, K in SHAPES:

@@ -31,6 +31,15 @@ SIZES = {
 TIGHT = 1e-5  # the FP8 products of exactly-represented operands, fp32 accumulation, fp32 output
 
 
+def _tight(device: torch.device, recipe: str) -> float:
+    """TIGHT on the CPU. Hopper's FP8 tensor cores accumulate a step's products in less than fp32 (2e-3 over
+    a whole rowwise reduction in their fast mode, 5e-4 where every block is promoted into fp32), as the
+    kernel tests allow (test_fp8_kernels)."""
+    if device.type != "cuda":
+        return TIGHT
+    return 2e-3 if recipe == "rowwise" else 5e-4
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     ref = ref.double()
     return (torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-300)).item()
@@ -81,9 +90,10 @@ def test_forward_and_backward_match_the_dequantized_product(device, recipe, case
     routed = sum(sizes)
     assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
     assert torch.isfinite(y).all() and torch.isfinite(dx).all() and torch.isfinite(dw).all()
-    assert _rel(y[:routed], y_ref[:routed]) < TIGHT
-    assert _rel(dx[:routed], dx_ref[:routed]) < TIGHT
-    assert _rel(dw, dw_ref) < TIGHT
+    tight = _tight(x.device, recipe)
+    assert _rel(y[:routed], y_ref[:routed]) < tight
+    assert _rel(dx[:routed], dx_ref[:routed]) < tight
+    assert _rel(dw, dw_ref) < tight
     assert (y[routed:] == 0).all() and (dx[routed:] == 0).all()
     for e, size in enumerate(sizes):
         if size == 0:
@@ -120,7 +130,7 @@ def test_operands_already_quantized(device, recipe):
     assert _rel(y[:91].float(), y_ref[:91]) < 1e-2  # bf16 output
     # The same product from the plain operands with the weight pair passed in.
     y2 = dropless.grouped_mm(x, w, offsets, recipe=recipe, w_quantized=(wk, wn))
-    assert _rel(y2[:91], y_ref[:91]) < TIGHT
+    assert _rel(y2[:91], y_ref[:91]) < _tight(x.device, recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -136,7 +146,7 @@ def test_wgrad_accumulates_into_main_grad_with_a_mask(device, recipe):
     dw = reference.grouped_mm_wgrad(_dq(dropless.quantize(x, act, dim=0, offsets=offsets)),
                                     _dq(dropless.quantize(dy, act, dim=0, offsets=offsets)), offsets)
     expected = torch.where(flags.view(-1, 1, 1), before.double() + dw, dw)
-    assert _rel(main_grad, expected) < TIGHT
+    assert _rel(main_grad, expected) < _tight(x.device, recipe)
 
 
 def test_grouped_linear_reuses_the_weight_quantization(device, monkeypatch):
@@ -174,7 +184,7 @@ def test_grouped_linear_main_grad_matches_weight_grad(device, recipe):
         plain(x, sizes).square().sum().backward()
         fused(x, sizes).square().sum().backward()
     assert fused.weight.grad is None
-    assert _rel(fused.weight.main_grad, plain.weight.grad) < TIGHT
+    assert _rel(fused.weight.main_grad, plain.weight.grad) < _tight(x.device, recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

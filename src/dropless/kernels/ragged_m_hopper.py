@@ -134,17 +134,27 @@ def _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout
 @gluon.jit
 def _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn, group, row0, end, col0,
                   k0, N, E, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The scales of one 128-deep step: ``sa[rows, k0 // 128]`` and ``sb[group, k0 // 128, cols // 128]``, 0
-    outside the group's rows and columns and for the unrouted tail. Issued before the step's MMA is
-    waited for, so their latency hides behind it."""
+    """The scales of one 128-deep step of a tile 128 columns wide: ``sa[rows, k0 // 128]`` (0 outside the
+    group's rows and for the unrouted tail) and the one weight tile scale ``sb[group, k0 // 128, col0 // 128]``.
+    Issued before the step's MMA is waited for, so their latency hides behind it."""
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     routed = group < E
     block = k0 // 128
     sa = gl.load(sa_ptr + rows.to(gl.int64) * stride_sam + block * stride_sak, mask=(rows < end) & routed, other=0.0)
-    sb = gl.load(sb_ptr + group.to(gl.int64) * stride_sbe + block * stride_sbk + (cols // 128) * stride_sbn,
-                 mask=(cols < N) & routed, other=0.0)
-    return sa, sb
+    sb = gl.load(sb_ptr + gl.minimum(group, E - 1).to(gl.int64) * stride_sbe + block * stride_sbk
+                 + (col0 // 128) * stride_sbn)
+    return sa * sb
+
+
+@gluon.jit
+def _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES: gl.constexpr, B_NK: gl.constexpr):
+    """Issue one step's MMA from zero (its product alone) once its stage is filled."""
+    slot = step % STAGES
+    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+    b_buf = b_bufs.index(slot)
+    if B_NK:
+        b_buf = b_buf.permute((1, 0))
+    return warpgroup_mma(a_bufs.index(slot), b_buf, acc, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -175,21 +185,26 @@ def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, s
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         whole = row0 + BLOCK_M <= end
         if PROMOTE:
-            # Each step's product starts from zero and is waited for, scaled and added; its stage goes
-            # back at once (the output is staged in c_smem whole: EPI_HALVES is off).
-            for k0 in range(0, k_end, BLOCK_K):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                b_buf = b_bufs.index(slot)
-                if B_NK:
-                    b_buf = b_buf.permute((1, 0))
-                part = warpgroup_mma(a_bufs.index(slot), b_buf, acc, use_acc=False, is_async=True)
-                sa_k, sb_k = _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
-                                           group, row0, end, col0, k0, N, E, acc_layout, BLOCK_M, BLOCK_N)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
-                release(empty, step, STAGES)
-                acc += part * sa_k[:, None] * sb_k[None, :]
+            # Each step's product starts from zero; it is scaled and added while the next step's MMA
+            # runs (two products in flight), and its stage goes back once added (the output is staged
+            # in c_smem whole: EPI_HALVES is off).
+            if k_end > 0:
+                part = _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES, B_NK)
+                scale = _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
+                                      group, row0, end, col0, 0, N, E, acc_layout, BLOCK_M, BLOCK_N)
                 step += 1
+                for k0 in range(BLOCK_K, k_end, BLOCK_K):
+                    following = _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES, B_NK)
+                    part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
+                    release(empty, step - 1, STAGES)
+                    acc += part * scale[:, None]
+                    scale = _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk,
+                                          stride_sbn, group, row0, end, col0, k0, N, E, acc_layout, BLOCK_M, BLOCK_N)
+                    part = following
+                    step += 1
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+                release(empty, step - 1, STAGES)
+                acc += part * scale[:, None]
         else:
             for k0 in range(0, k_end, BLOCK_K):
                 slot = step % STAGES
@@ -304,15 +319,16 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     FP8 operands (b with K contiguous) take ``scales = (sa, sb)``: fp32 ``sa`` with one scale per row of a
     (``M`` contiguous values) and ``sb [E, N]`` with unit stride along N, applied in the epilogue; or,
     with ``promote``, block scales along K: ``sa [M, cdiv(K, 128)]`` and ``sb [E, cdiv(K, 128),
-    cdiv(N, 128)]`` (any strides), every 128-deep step promoted (``config.block_k`` must be 128, and the
-    output is staged whole: ValueError otherwise).
+    cdiv(N, 128)]`` (any strides), every 128-deep step promoted (``config`` must have 128x128 tiles
+    stepping 128 with the output staged whole: ValueError otherwise).
     """
     M, K = a.shape
     E, _, N = b.shape
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     halves = output_in_halves(config, a.element_size(), c.element_size())
-    if promote and (bk != 128 or halves):
-        raise ValueError(f"promoted block scales need 128-deep steps and the output tile staged whole, got {config}")
+    if promote and (bk != 128 or bn != 128 or halves):
+        raise ValueError(f"promoted block scales need 128x128 tiles in 128-deep steps and the output tile staged "
+                         f"whole, got {config}")
     b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
