@@ -1,7 +1,6 @@
 """block128 (1x128 activations, 128x128 weight tiles) forward at DeepGEMM's contiguous-layout shapes,
-operands already quantized, on an H100: the Gluon kernel (each 128-deep step promoted) at several stage
-counts and the Triton FP8 ragged-M kernel's candidates, against BF16 and the rowwise Gluon kernel on
-the same shapes.
+operands already quantized, on an H100: the Triton FP8 ragged-M kernel's candidates, against BF16 and
+the rowwise Gluon kernel on the same shapes.
 
     PYTHONPATH=src python benchmarks/probe_block128_deepgemm.py
 """
@@ -17,7 +16,6 @@ from triton.testing import do_bench
 
 import dropless
 from dropless.kernels import tuning
-from dropless.kernels.config import GemmConfig
 from dropless.ops.fp8_launch import launch_ragged_m_fp8
 from dropless.quantized import get_recipe
 
@@ -31,8 +29,7 @@ def ms(fn) -> float:
 
 
 def main() -> None:
-    configs = [GemmConfig(128, 128, 128, num_warps=8, num_stages=s, gluon=True) for s in (3, 4, 5)]
-    configs += tuning._RAGGED_M_FP8_STEP128.candidates
+    configs = tuning._RAGGED_M_FP8_STEP128.candidates
     print("| groups x rows, N, K | bf16 | rowwise (Gluon) | " + " | ".join(f"block128 {c}" for c in configs) + " |")
     for E, rows, N, K in SHAPES:
         M = E * rows

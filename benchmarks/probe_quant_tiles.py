@@ -39,10 +39,10 @@ def amax_pass(x: torch.Tensor, offsets: torch.Tensor, shape: tuple[int, int, int
     block_r, block_c, warps = shape
     slots = cdiv(R, block_r) + E
     amax = torch.zeros(E, C, dtype=torch.int32, device=x.device)
-    qk._tile_kernel[(slots * cdiv(C, block_c),)](
+    qk._tile_kernel[(slots, cdiv(C, block_c))](
         x, x, x, x, x, amax, x, offsets, R, C, E, slots, 0, grouped_rows(R, E), 0, x.stride(0), x.stride(1),
         ALONG_R=True, ALONG_C=False, GROUPED=True, AMAX_PASS=True, BLOCK=0, TILE=False, MX=False, POW2=False,
-        RCEIL=False, EMULATE_FP8=False, WIDE=False, COLS_FIRST=qk._COLS_FIRST, BLOCK_R=block_r, BLOCK_C=block_c,
+        RCEIL=False, EMULATE_FP8=False, WIDE=False, BLOCK_R=block_r, BLOCK_C=block_c,
         E_POW2=next_power_of_2(E + 1), num_warps=warps)
 
 

@@ -563,24 +563,3 @@ def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
         run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, accumulate, flags,
                          fast_accum=True, config=config)
         _check_experts(out, expected, fast_accum=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (CUDA and launch.hopper_gluon_device(torch.device(DEVICE))),
-                    reason="the Gluon kernels are for sm_90")
-@pytest.mark.parametrize("scale_view", [False, True], ids=["weight", "transposed-scales"])
-@pytest.mark.parametrize("shape", list(GPU_SHAPES))
-def test_ragged_m_fp8_hopper_block_promoted_gpu(shape, scale_view):
-    """The warp-specialized Hopper kernel with block128 scales, every 128-deep step promoted: random group
-    sizes with empty groups and NaN rows past the last group; the weight scales as stored or as the
-    input gradient's transposed view."""
-    from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
-    from dropless.ops.fp8_launch import GLUON_FP8_BLOCK
-
-    M, K, N, E = GPU_SHAPES[shape]
-    sizes = random_group_sizes(E, M - 37)
-    a, a_scale, _, b, b_scale, _, ref = _ragged_m_operands(M, K, N, sizes, "block128", scale_view)
-    y = poisoned((M, N), torch.bfloat16, DEVICE)
-    ragged_m_mm_hopper(a, b, offsets_of(sizes, DEVICE), y, GLUON_FP8_BLOCK, launch.launch_info(DEVICE).num_programs,
-                       (a_scale, b_scale), promote=True)
-    _check_rows(y, ref, sizes)

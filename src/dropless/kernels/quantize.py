@@ -145,7 +145,7 @@ def _tile_kernel(
     stride_xb, stride_xr, stride_xc,
     ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
-    EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, COLS_FIRST: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_POW2: tl.constexpr,
 ):
     """Quantize one tile of ``x [BATCH, R, C]`` along R and/or C.
@@ -156,15 +156,7 @@ def _tile_kernel(
     data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
     """
-    # One flat grid over (slot, column tile): column tiles vary fastest when COLS_FIRST, so the programs
-    # running at once read whole stretches of x's rows (and, when not, whole stretches of the tokens).
-    col_tiles = tl.maximum(tl.cdiv(C, BLOCK_C), 1)
-    if COLS_FIRST:
-        pid = tl.program_id(0) // col_tiles
-        col_tile = tl.program_id(0) % col_tiles
-    else:
-        pid = tl.program_id(0) % (tl.num_programs(0) // col_tiles)
-        col_tile = tl.program_id(0) // (tl.num_programs(0) // col_tiles)
+    pid = tl.program_id(0)
     batch = pid // SLOTS
     slot = pid - batch * SLOTS
     if GROUPED:
@@ -197,7 +189,7 @@ def _tile_kernel(
         reads = live
         out_row0 = row0
         out_rows = end - row0
-    col0 = col_tile * BLOCK_C
+    col0 = tl.program_id(1) * BLOCK_C
     r = tl.arange(0, BLOCK_R)
     c = tl.arange(0, BLOCK_C)
     if WIDE:
@@ -228,8 +220,8 @@ def _tile_kernel(
         amax = tl.max(tl.max(_magnitude(v), axis=1), axis=0)
         scale = _scale(amax, MX, POW2, False)
         q = _to_fp8(v, scale, MX, EMULATE_FP8)
-        tl.store(scale_r + (batch64 * SCALE_ROWS_R + slot) * tl.cdiv(C, 128) + col_tile, scale,
-                 mask=(slot < SCALE_ROWS_R) & (col_tile < tl.cdiv(C, 128)))
+        tl.store(scale_r + (batch64 * SCALE_ROWS_R + slot) * tl.cdiv(C, 128) + tl.program_id(1), scale,
+                 mask=(slot < SCALE_ROWS_R) & (tl.program_id(1) < tl.cdiv(C, 128)))
         if ALONG_R:
             tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
         if ALONG_C:
@@ -275,7 +267,7 @@ def _tile_kernel(
                 amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
                 scale = _scale(amax, False, POW2, False)
                 q = _to_fp8(v, scale[:, None], False, EMULATE_FP8)
-                tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (col_tile == 0))
+                tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (tl.program_id(1) == 0))
             else:
                 v3 = tl.reshape(v, (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
                 scale = _scale(tl.max(_magnitude(v3), axis=2), MX, POW2, RCEIL)
@@ -327,7 +319,6 @@ def _rowwise_kernel(
 # The rowwise kernel's program: 2048 elements (several rows of up to 2048, or one longer row) over 4
 # warps, 16 a thread. On an H100 (benchmarks/NOTES.md, v13) 8192 over 8 warps ran rows of 1536 (padded
 # to 2048) at half the bandwidth, and no shape measured ran faster than with this one by over 6%.
-_COLS_FIRST = True  # the tile kernel's order: column tiles fastest (see _tile_kernel)
 _ROWWISE_ELEMENTS = 2048
 _MAX_ROWWISE_BLOCK_K = 8192
 _ROWWISE_WARPS = 4
@@ -375,7 +366,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
     E = offsets.shape[0] if grouped else 0
     # Every batch (or group) gets a slot even when R is 0: rowwise scales of an empty extent are written as 1.
     slots = cdiv(R, block_r) + E if grouped else max(cdiv(R, block_r), 1)
-    grid = (BATCH * slots * max(cdiv(C, block_c), 1),)
+    grid = (BATCH * slots, max(cdiv(C, block_c), 1))
     if BATCH == 0:
         return
     rowwise = recipe.block is None
@@ -394,7 +385,6 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
             WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r))),
-            COLS_FIRST=_COLS_FIRST,
             BLOCK_R=block_r, BLOCK_C=block_c, E_POW2=next_power_of_2(E + 1),
             num_warps=num_warps,
         )

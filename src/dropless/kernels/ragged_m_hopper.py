@@ -9,12 +9,6 @@ b with K contiguous (the K-major operand FP8 wgmma reads), with rowwise scales a
 
     c[m, n] = sa[m] * sb[e, n] * sum_k a[m, k] b[e, k, n]          (fp32 accumulation, c in bf16/fp16/fp32)
 
-or with block scales along K (``PROMOTE``: block128 activations, 128x128 weight tiles), each 128-deep
-step's product promoted into the fp32 accumulator as DeepGEMM does, so the tensor cores' short FP8
-accumulation never spans more than one block:
-
-    c[m, n] = sum_j sa[m, j] * sb[e, j, n // 128] * sum_{k in block j} a[m, k] b[e, k, n]
-
 Tiles are numbered group after group (group E is the unrouted tail, written as zeros); every
 partition derives that numbering from ``offsets`` on the device. One loader warp runs ahead through
 the program's tiles filling a ring of shared-memory stages, so the next tile's operands are already
@@ -132,37 +126,11 @@ def _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout
 
 
 @gluon.jit
-def _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn, group, row0, end, col0,
-                  k0, N, E, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The scales of one 128-deep step of a tile 128 columns wide: ``sa[rows, k0 // 128]`` (0 outside the
-    group's rows and for the unrouted tail) and the one weight tile scale ``sb[group, k0 // 128, col0 // 128]``.
-    Issued before the step's MMA is waited for, so their latency hides behind it."""
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    routed = group < E
-    block = k0 // 128
-    sa = gl.load(sa_ptr + rows.to(gl.int64) * stride_sam + block * stride_sak, mask=(rows < end) & routed, other=0.0)
-    sb = gl.load(sb_ptr + gl.minimum(group, E - 1).to(gl.int64) * stride_sbe + block * stride_sbk
-                 + (col0 // 128) * stride_sbn)
-    return sa * sb
-
-
-@gluon.jit
-def _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES: gl.constexpr, B_NK: gl.constexpr):
-    """Issue one step's MMA from zero (its product alone) once its stage is filled."""
-    slot = step % STAGES
-    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-    b_buf = b_bufs.index(slot)
-    if B_NK:
-        b_buf = b_buf.permute((1, 0))
-    return warpgroup_mma(a_bufs.index(slot), b_buf, acc, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
-             a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E,
+def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
+             offsets_ptr, M, N, K, E,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, EPI_HALVES: gl.constexpr,
-             SCALED: gl.constexpr, PROMOTE: gl.constexpr, INSTR_K: gl.constexpr, num_warps: gl.constexpr):
+             SCALED: gl.constexpr, INSTR_K: gl.constexpr, num_warps: gl.constexpr):
     """The default partition: the MMAs of each tile, then its epilogue.
 
     With EPI_HALVES, ``c_smem`` holds half a tile: a whole tile leaves in two halves of columns, the
@@ -183,56 +151,34 @@ def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, s
         if SCALED:
             sa, sb = _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout, BLOCK_M, BLOCK_N)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        whole = row0 + BLOCK_M <= end
-        if PROMOTE:
-            # Each step's product starts from zero; it is scaled and added while the next step's MMA
-            # runs (two products in flight), and its stage goes back once added (the output is staged
-            # in c_smem whole: EPI_HALVES is off).
-            if k_end > 0:
-                part = _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES, B_NK)
-                scale = _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
-                                      group, row0, end, col0, 0, N, E, acc_layout, BLOCK_M, BLOCK_N)
-                step += 1
-                for k0 in range(BLOCK_K, k_end, BLOCK_K):
-                    following = _promoted_step(a_bufs, b_bufs, ready, acc, step, STAGES, B_NK)
-                    part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
-                    release(empty, step - 1, STAGES)
-                    acc += part * scale[:, None]
-                    scale = _block_scales(sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk,
-                                          stride_sbn, group, row0, end, col0, k0, N, E, acc_layout, BLOCK_M, BLOCK_N)
-                    part = following
-                    step += 1
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        for k0 in range(0, k_end, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            b_buf = b_bufs.index(slot)
+            if B_NK:
+                b_buf = b_buf.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(slot), b_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if k0 > 0:
                 release(empty, step - 1, STAGES)
-                acc += part * scale[:, None]
-        else:
-            for k0 in range(0, k_end, BLOCK_K):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                b_buf = b_bufs.index(slot)
-                if B_NK:
-                    b_buf = b_buf.permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(slot), b_buf, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                if k0 > 0:
-                    release(empty, step - 1, STAGES)
-                elif held:
-                    tma.store_wait(pendings=0)
-                    release(empty, step - 1, STAGES)
-                    held = False
-                step += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            if held:
-                # This tile loaded nothing (the unrouted tail), so the stage is returned here.
+            elif held:
                 tma.store_wait(pendings=0)
                 release(empty, step - 1, STAGES)
                 held = False
-            # The tile's last stage goes back now, unless a whole tile's right half leaves through it.
-            if k_end > 0:
-                if not EPI_HALVES:
-                    release(empty, step - 1, STAGES)
-                elif not whole:
-                    release(empty, step - 1, STAGES)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if held:
+            # This tile loaded nothing (the unrouted tail), so the stage is returned here.
+            tma.store_wait(pendings=0)
+            release(empty, step - 1, STAGES)
+            held = False
+        whole = row0 + BLOCK_M <= end
+        # The tile's last stage goes back now, unless a whole tile's right half leaves through it.
+        if k_end > 0:
+            if not EPI_HALVES:
+                release(empty, step - 1, STAGES)
+            elif not whole:
+                release(empty, step - 1, STAGES)
         if SCALED:
             acc = acc * sa[:, None] * sb[None, :]
         out = acc.to(c_desc.dtype)
@@ -267,12 +213,12 @@ def _b_block(BLOCK_K, BLOCK_N, B_NK):
 
 
 @gluon.jit
-def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak,
-                            stride_sbe, stride_sbk, stride_sbn, offsets_ptr, M, N, K, E,
+def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, offsets_ptr,
+                            M, N, K, E,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
                             B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, SCALED: gl.constexpr,
-                            PROMOTE: gl.constexpr, num_warps: gl.constexpr):
+                            num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     # One wgmma multiplies 32 bytes of K per row: 16 elements of 16 bits, 32 of FP8.
     INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
@@ -283,9 +229,9 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready, empty = stage_barriers(STAGES)
     gl.warp_specialize([
-        (_compute, (c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk,
-                    stride_sbn, a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, E, BLOCK_M, BLOCK_N,
-                    BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES, SCALED, PROMOTE, INSTR_K, num_warps)),
+        (_compute, (c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
+                    offsets_ptr, M, N, K, E, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES,
+                    SCALED, INSTR_K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
     ], [LOADER_WARPS], [40])
@@ -312,35 +258,25 @@ def output_in_halves(config: GemmConfig, element_size: int, out_element_size: in
 
 def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        config: GemmConfig, num_programs: int,
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None, promote: bool = False) -> None:
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, which
     ``launch.hopper_kernels_ok`` accepts (b as stored: along N, or along K for an nn.Linear view).
 
     FP8 operands (b with K contiguous) take ``scales = (sa, sb)``: fp32 ``sa`` with one scale per row of a
-    (``M`` contiguous values) and ``sb [E, N]`` with unit stride along N, applied in the epilogue; or,
-    with ``promote``, block scales along K: ``sa [M, cdiv(K, 128)]`` and ``sb [E, cdiv(K, 128),
-    cdiv(N, 128)]`` (any strides), every 128-deep step promoted (``config`` must have 128x128 tiles
-    stepping 128 with the output staged whole: ValueError otherwise).
+    (``M`` contiguous values) and ``sb [E, N]`` with unit stride along N, applied in the epilogue.
     """
     M, K = a.shape
     E, _, N = b.shape
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     halves = output_in_halves(config, a.element_size(), c.element_size())
-    if promote and (bk != 128 or bn != 128 or halves):
-        raise ValueError(f"promoted block scales need 128x128 tiles in 128-deep steps and the output tile staged "
-                         f"whole, got {config}")
     b_nk = weight_nk(b)
     b_desc = descriptor(b.transpose(1, 2), [1, bn, bk]) if b_nk else descriptor(b, [1, bk, bn])
     max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
     sa, sb = scales if scales is not None else (c, c)
-    sa_strides = tuple(sa.stride()) + (0,) if sa.dim() == 1 else tuple(sa.stride())
-    sb_strides = tuple(sb.stride()) if promote else (sb.stride(0) if scales is not None else 0, 0, 0)
     _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
             c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
-            sa_ptr=sa, sb_ptr=sb, stride_sam=sa_strides[0], stride_sak=sa_strides[1], stride_sbe=sb_strides[0],
-            stride_sbk=sb_strides[1], stride_sbn=sb_strides[2],
+            sa_ptr=sa, sb_ptr=sb, stride_sbe=sb.stride(0) if scales is not None else 0,
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1),
-            B_NK=b_nk, EPI_HALVES=halves, SCALED=scales is not None and not promote, PROMOTE=promote,
-            num_warps=config.num_warps)
+            B_NK=b_nk, EPI_HALVES=halves, SCALED=scales is not None, num_warps=config.num_warps)

@@ -3,9 +3,7 @@
 A GEMM recipe fixes how its operands' scales are blocked (``dropless.quantized``): the kernels take
 the blocks as data. Rowwise products accumulate in the tensor cores' fast FP8 mode and scale once in
 the epilogue (as cuBLAS's and CUTLASS's FP8 grouped GEMMs do); blockwise ones promote every block's
-partial product into fp32 (DeepGEMM's scheme), which also bounds the accumulation error. On Hopper
-the rowwise and block128 ragged-M products run on the warp-specialized Gluon kernel; the rest on the
-Triton kernels.
+partial product into fp32 (DeepGEMM's scheme), which also bounds the accumulation error.
 """
 
 from __future__ import annotations
@@ -20,17 +18,14 @@ from dropless.quantized import QuantizedTensor
 # (rows, ks) blocks of a's scales and (ks, cols) blocks of b's, by the recipe of each operand.
 _A_BLOCKS = {"rowwise": (1, None), "block128": (1, 128), "mxfp8": (1, 32)}
 _B_BLOCKS = {"rowwise": (None, 1), "block128x128": (128, 128), "mxfp8": (32, 1)}
-# The warp-specialized Hopper kernel's FP8 configs: 128-deep stages, the whole output tile staged. With
-# block scales each step's product and the accumulator both live in registers: 128x128 tiles.
+# The warp-specialized Hopper kernel's FP8 config: 128-deep stages, the whole output tile staged.
 GLUON_FP8 = GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True)
-GLUON_FP8_BLOCK = GemmConfig(128, 128, 128, num_warps=8, num_stages=5, gluon=True)
 
 
-def gluon_fp8_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) -> bool:
-    """The Hopper Gluon kernel takes a rowwise or block128 product: sm_90, TMA-readable a and K-major
-    b, and 16-bit c."""
-    return (a.recipe.name in ("rowwise", "block128") and hopper_gluon_device(a.device)
-            and c.dtype in (torch.bfloat16, torch.float16)
+def gluon_rowwise_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) -> bool:
+    """The Hopper Gluon kernel takes a rowwise product: sm_90, TMA-readable a and K-major b, and
+    16-bit c."""
+    return (a.recipe.name == "rowwise" and hopper_gluon_device(a.device) and c.dtype in (torch.bfloat16, torch.float16)
             and weight_nk(b.data) and LaunchInfo.tma_ok(a.data) and LaunchInfo.tma_ok(b.data.transpose(1, 2))
             and LaunchInfo.tma_ok(c) and a.data.numel() > 0)
 
@@ -39,17 +34,13 @@ def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
                         config: GemmConfig | None = None) -> None:
     """``c = ragged-M product`` of ``a [M, K]`` quantized along K and ``b [E, K, N]`` quantized along K
     (its data K-contiguous), into ``c [M, N]``; no host sync."""
-    if (config is None or config.gluon) and gluon_fp8_ok(a, b, c):
+    if (config is None or config.gluon) and gluon_rowwise_ok(a, b, c):
         from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
 
-        programs = launch_info(c.device).num_programs
-        if a.recipe.name == "block128":
-            ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8_BLOCK, programs, (a.scale, b.scale),
-                               promote=True)
-            return
         # The kernel reads a row's scales and an expert's column scales at unit stride.
         scales = (a.scale.reshape(-1).contiguous(), b.scale.reshape(b.shape[0], -1).contiguous())
-        ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, programs, scales)
+        ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, launch_info(c.device).num_programs,
+                           scales)
         return
     run_ragged_m_fp8(a.data, _raw(a.scale), _A_BLOCKS[a.recipe.name], b.data, _raw(b.scale), _B_BLOCKS[b.recipe.name],
                      offsets, c, fast_accum=a.recipe.name == "rowwise", config=config)
