@@ -147,11 +147,17 @@ class Fp8GroupedMM(torch.autograd.Function):
                 xq_data=None, xq_scale=None):
         act, _ = operand_recipes(recipe)
         wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
-        # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand.
-        xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad)
+        # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand: with x's
+        # copy along K from one read (blockwise), or after the product is done with that copy (rowwise,
+        # two launches anyway), so the two never coexist.
+        one_read = act.block is not None
+        xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad and one_read)
         if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
         y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
+        del xq, xq_data, xq_scale
+        if wants_wgrad and xt is None:
+            xt = quantize(x, act, dim=0, offsets=offsets)
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
         ctx.main_grad = main_grad
@@ -168,10 +174,16 @@ class Fp8GroupedMM(torch.autograd.Function):
         act, weights = operand_recipes(recipe)
         dy = dy.contiguous()
         dx = dw = None
-        dyq, dyt = _quantize_activation(dy, act, offsets, ctx.needs_input_grad[0], ctx.wants_wgrad)
+        # Rowwise quantizes dy along N and along the tokens in two launches anyway: the second waits until
+        # the input gradient is done with the first, so the two FP8 copies of dy never coexist.
+        one_read = act.block is not None
+        dyq, dyt = _quantize_activation(dy, act, offsets, ctx.needs_input_grad[0], ctx.wants_wgrad and one_read)
         if ctx.needs_input_grad[0]:
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
+        del dyq
+        if ctx.wants_wgrad and dyt is None:
+            dyt = quantize(dy, act, dim=0, offsets=offsets)
         if ctx.wants_wgrad:
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             if ctx.main_grad is not None:
