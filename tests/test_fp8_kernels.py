@@ -563,3 +563,18 @@ def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
         run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, accumulate, flags,
                          fast_accum=True, config=config)
         _check_experts(out, expected, fast_accum=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", tuning._RAGGED_M_FP8_STEP128.candidates, ids=str)
+def test_ragged_m_fp8_block128_into_fp32_gpu(config):
+    """block128 products written in fp32 (what fp32 activations get), with the op tests' small K and N and
+    NaN rows past the last group, for every candidate of the block-scaled tuner."""
+    M, K, N, sizes = 143, 96, 64, [0, 37, 0, 90, 5]
+    a, a_scale, a_block, b, b_scale, b_block, ref = _ragged_m_operands(M, K, N, sizes, "block128")
+    y = poisoned((M, N), torch.float32, DEVICE)
+    _skip_if_it_does_not_fit(ragged_m_fp8_mm, a, a_scale, b, b_scale,
+                             scale_map(a, a_scale, a_block, b, b_scale, b_block), offsets_of(sizes, DEVICE), y,
+                             config, launch.launch_info(DEVICE), False)
+    _check_rows(y, ref, sizes)
