@@ -1,0 +1,5 @@
+"""Expert parallelism: token dispatch to the ranks that own the experts, and the weighted combine back."""
+
+from dropless.parallel.dispatch import DispatchHandle, combine, dispatch
+
+__all__ = ["DispatchHandle", "combine", "dispatch"]

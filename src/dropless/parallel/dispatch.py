@@ -1,0 +1,179 @@
+"""Dispatch and combine over a process group with ``all_to_all_single`` after a count exchange.
+
+E experts are spread over the P ranks of ``group``: rank r owns experts ``r * E/P .. (r+1) * E/P - 1``
+(its local experts). Each rank holds T tokens, each routed to k experts (``topk_idx [T, k]``) with
+weights (``topk_weights [T, k]``).
+
+- ``dispatch`` sends every (token, slot) copy to the rank owning its expert. A rank receives its rows
+  grouped by local expert (the layout the grouped GEMMs read), with the local group sizes.
+- ``combine`` sends the expert outputs back and returns, for every token of the source rank,
+  ``sum_j topk_weights[t, j] * y(t, j)``.
+
+Both are differentiable: dispatch's backward is an unweighted combine, combine's backward a dispatch of
+the weighted output gradient (and the routing weights' gradient, ``<grad_out[t], y(t, j)>``).
+
+The split sizes of ``all_to_all_single`` live on the host, so the count exchange (a ``[P, E/P]`` table
+per rank) is read back once per dispatch: one host sync, which the backward reuses. On the CPU, gloo
+runs the same algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DispatchHandle:
+    """What ``combine`` and the backward passes need to retrace a dispatch.
+
+    order: ``[T*k]``, the (token, slot) copies sorted by expert (stable), as indices into the flattened
+    ``[T, k]`` routing; send_splits / recv_splits: rows sent to and received from each rank; recv_order:
+    ``[R]``, for each row in local-expert order, its place in the received (rank-major) buffer; weights:
+    the flattened routing weights; tokens: T; top_k: k.
+    """
+
+    group: dist.ProcessGroup | None
+    order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_order: torch.Tensor
+    weights: torch.Tensor
+    tokens: int
+    top_k: int
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``all_to_all_single`` of ``rows`` (``sum(send)`` rows) into ``sum(recv)`` rows."""
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
+def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None):
+    """Sort the copies by expert, count them per (rank, local expert) and exchange the counts.
+
+    Each rank also sends how many of its ids fall outside ``[0, num_experts)``, so that every rank
+    raises together (a rank that raised alone would leave the others waiting in the next collective)."""
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
+    local = num_experts // world
+    ids = topk_idx.reshape(-1).long()
+    bad = (ids < 0) | (ids >= num_experts)
+    ids = ids.clamp(0, num_experts - 1)
+    order = torch.sort(ids, stable=True).indices
+    counts = torch.bincount(ids, minlength=num_experts).view(world, local)
+    table = torch.cat([counts, bad.sum().expand(world, 1)], dim=1)
+    received = torch.empty_like(table)
+    dist.all_to_all_single(received, table, group=group)
+    # The one host sync: all_to_all_single takes its splits on the host.
+    received, table = torch.stack([received, table]).cpu()
+    if received[:, local].any():
+        ranks = received[:, local].nonzero().flatten().tolist()
+        raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}); rank(s) {ranks} sent others")
+    recv_table = received[:, :local]
+    send_splits = table[:, :local].sum(1).tolist()
+    recv_splits = recv_table.sum(1).tolist()
+    # Received rows come rank-major, each rank's sorted by local expert: a stable sort by expert makes
+    # them expert-major, each expert's rows in rank order.
+    expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(world), recv_table.flatten())
+    recv_order = torch.sort(expert_of_row, stable=True).indices
+    group_sizes = recv_table.sum(0).to(torch.int32)
+    return order, send_splits, recv_splits, recv_order.to(topk_idx.device), group_sizes.to(topk_idx.device)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        ctx.handle = handle
+        rows = x[handle.order // handle.top_k]
+        received = _exchange(rows, handle.send_splits, handle.recv_splits, handle.group)
+        return received[handle.recv_order]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h = ctx.handle
+        back = grad.new_empty(grad.shape)
+        back[h.recv_order] = grad
+        rows = _exchange(back, h.recv_splits, h.send_splits, h.group)
+        grad_x = grad.new_zeros((h.tokens, *grad.shape[1:]))
+        grad_x.index_add_(0, h.order // h.top_k, rows)
+        return grad_x, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        back = y.new_empty(y.shape)
+        back[handle.recv_order] = y
+        rows = _exchange(back, handle.recv_splits, handle.send_splits, handle.group)  # in handle.order
+        ctx.handle = handle
+        ctx.save_for_backward(rows, weights)
+        w = weights.reshape(-1)[handle.order].to(rows.dtype)
+        out = rows.new_zeros((handle.tokens, *rows.shape[1:]))
+        out.index_add_(0, handle.order // handle.top_k, rows * w.view(-1, *([1] * (rows.dim() - 1))))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h = ctx.handle
+        rows, weights = ctx.saved_tensors
+        token = h.order // h.top_k
+        g = grad[token]
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w_flat = weights.new_zeros(weights.numel())
+            grad_w_flat[h.order] = (g * rows).flatten(1).sum(1).to(weights.dtype)
+            grad_w = grad_w_flat.view_as(weights)
+        w = weights.reshape(-1)[h.order].to(g.dtype)
+        sent = _exchange(g * w.view(-1, *([1] * (g.dim() - 1))), h.send_splits, h.recv_splits, h.group)
+        return sent[h.recv_order], grad_w, None
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             group: dist.ProcessGroup | None = None, *, num_experts: int,
+             backend: str = "nccl") -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """Send each token's k copies to the ranks that own their experts.
+
+    Args:
+        x: ``[T, d]`` tokens of this rank (any float dtype; T may be 0).
+        topk_idx: int ``[T, k]`` global expert ids in ``[0, num_experts)``.
+        topk_weights: ``[T, k]`` routing weights, applied by ``combine``.
+        group: the expert-parallel process group (default: the whole world); its size must divide
+            ``num_experts``.
+        num_experts: E, all ranks' experts together.
+        backend: ``"nccl"``: ``all_to_all_single`` after a count exchange (NCCL on GPUs, gloo on the
+            CPU), one host sync per dispatch.
+    Returns:
+        ``(rows, group_sizes, handle)``: rows ``[R, d]`` received, sorted by local expert (rank r's
+        experts ``r*E/P ..``), each expert's rows in source-rank then token order; group_sizes int32
+        ``[E/P]`` on x's device; the handle for ``combine``.
+    """
+    if backend != "nccl":
+        raise ValueError(f"backend must be 'nccl', got {backend!r}")
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, d] and topk_idx [T, k], got shapes {tuple(x.shape)} and {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
+    order, send, recv, recv_order, group_sizes = _route(topk_idx, num_experts, group)
+    handle = DispatchHandle(group, order, send, recv, recv_order, topk_weights, x.shape[0], topk_idx.shape[1])
+    return _Dispatch.apply(x, handle), group_sizes, handle
+
+
+def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """``out[t] = sum_j topk_weights[t, j] * y(t, j)`` at each token's own rank.
+
+    Args:
+        y: ``[R, d']``: the expert outputs of the rows ``dispatch`` returned, in their order.
+        handle: that dispatch's handle (its routing weights get a gradient if they require one).
+    Returns:
+        ``[T, d']`` in y's dtype.
+    """
+    if y.shape[0] != len(handle.recv_order):
+        raise ValueError(f"y must have the {len(handle.recv_order)} rows dispatch returned, got {y.shape[0]}")
+    return _Combine.apply(y, handle.weights, handle)
