@@ -7,18 +7,11 @@ bounded in time, so a hang fails the test."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from multiprocess import run_ranks
 
 from dropless.parallel import combine, dispatch
-
-TIMEOUT_S = 120
 
 
 def _inputs(world: int, tokens: list[int], E: int, k: int, d: int, routing: str, seed: int):
@@ -78,50 +71,28 @@ def _step(rank, world, per_rank, experts, E):
     return out.detach(), x.grad, w.grad, W.grad
 
 
-def _worker(rank, world, init_file, cases):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for tokens, E, k, d, routing, seed in cases:
-            per_rank, experts = _inputs(world, tokens, E, k, d, routing, seed)
-            ranks_ref, gW_ref = _reference(per_rank, experts)
-            out_ref, gx_ref, gw_ref = ranks_ref[rank]
-            out, gx, gw, gW = _step(rank, world, per_rank, experts, E)
-            local = E // world
-            what = f"rank {rank}, {routing}, tokens {tokens}"
-            torch.testing.assert_close(out, out_ref, msg=f"out: {what}")
-            torch.testing.assert_close(gx, gx_ref, msg=f"grad x: {what}")
-            torch.testing.assert_close(gw, gw_ref, msg=f"grad w: {what}")
-            torch.testing.assert_close(gW, gW_ref[rank * local:(rank + 1) * local], msg=f"grad W: {what}")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, cases):
+    for tokens, E, k, d, routing, seed in cases:
+        per_rank, experts = _inputs(world, tokens, E, k, d, routing, seed)
+        ranks_ref, gW_ref = _reference(per_rank, experts)
+        out_ref, gx_ref, gw_ref = ranks_ref[rank]
+        out, gx, gw, gW = _step(rank, world, per_rank, experts, E)
+        local = E // world
+        what = f"rank {rank}, {routing}, tokens {tokens}"
+        torch.testing.assert_close(out, out_ref, msg=f"out: {what}")
+        torch.testing.assert_close(gx, gx_ref, msg=f"grad x: {what}")
+        torch.testing.assert_close(gw, gw_ref, msg=f"grad w: {what}")
+        torch.testing.assert_close(gW, gW_ref[rank * local:(rank + 1) * local], msg=f"grad W: {what}")
 
 
-def _bad_input_worker(rank, world, init_file, case):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        x = torch.randn(3, 4)
-        idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
-        if case == "out_of_range" and rank == world - 1:
-            idx[1, 0] = 4
-        E = 3 if case == "indivisible" else 4
-        with pytest.raises(ValueError, match="num_experts" if case == "indivisible" else "topk_idx"):
-            dispatch(x, idx, torch.rand(3, 2), num_experts=E)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(world, target, *args):
-    """Run ``target(rank, world, init_file, *args)`` on ``world`` processes; fail if any raises or all
-    have not finished within TIMEOUT_S."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(target, args=(world, os.path.join(tmp, "init"), *args), nprocs=world,
-                                     join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"dispatch/combine on {world} processes did not finish within {TIMEOUT_S} s")
+def _bad_input_worker(rank, world, case):
+    x = torch.randn(3, 4)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
+    if case == "out_of_range" and rank == world - 1:
+        idx[1, 0] = 4
+    E = 3 if case == "indivisible" else 4
+    with pytest.raises(ValueError, match="num_experts" if case == "indivisible" else "topk_idx"):
+        dispatch(x, idx, torch.rand(3, 2), num_experts=E)
 
 
 CASES_2 = [
@@ -139,9 +110,9 @@ CASES_4 = [
 
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-ranks", "4-ranks"])
 def test_dispatch_combine_match_one_process(world, cases):
-    _run(world, _worker, cases)
+    run_ranks(world, _worker, cases)
 
 
 @pytest.mark.parametrize("case", ["indivisible", "out_of_range"])
 def test_bad_input_raises_on_every_rank(case):
-    _run(2, _bad_input_worker, case)
+    run_ranks(2, _bad_input_worker, case)

@@ -114,6 +114,21 @@ class GroupedLinear(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
+    def select_experts(self, first: int, count: int) -> GroupedLinear:
+        """A GroupedLinear of experts ``first .. first + count - 1`` of this one, with copies of their
+        weights (and biases) and the same options."""
+        if not (0 <= first and count >= 1 and first + count <= self.num_experts):
+            raise ValueError(f"experts {first}..{first + count - 1} are not all among this layer's "
+                             f"{self.num_experts}")
+        layer = GroupedLinear(count, self.in_features, self.out_features, bias=self.bias is not None,
+                              device=self.weight.device, dtype=self.weight.dtype,
+                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, recipe=self.recipe)
+        with torch.no_grad():
+            layer.weight.copy_(self.weight[first:first + count])
+            if self.bias is not None:
+                layer.bias.copy_(self.bias[first:first + count])
+        return layer
+
     def _make_main_grad(self) -> None:
         # Made outside forward, so that a compiled forward never allocates the tensor its backward
         # writes (which torch.compile cannot partition).

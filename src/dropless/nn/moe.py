@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
+from dropless.parallel import combine, dispatch
 from dropless.quantized import Recipe
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
@@ -58,9 +60,13 @@ class MoE(nn.Module):
         fuse_wgrad_accumulation: expert weight gradients go into ``main_grad`` (see GroupedLinear).
         recipe: run the expert GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"``; see
             GroupedLinear); the router and the shared experts stay in the input's dtype (router: fp32).
+        ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
+            ``r*E/P .. (r+1)*E/P - 1`` (P must divide E); router and shared experts are replicated, and
+            token copies travel to their experts' ranks and back (``dropless.parallel.dispatch`` and
+            ``combine``, one host sync a layer). ``expert_parallel(group)`` makes one from a full layer.
 
     Experts' weights: ``experts_gate_up.weight [E, 2*d_ff, d_model]`` (gate rows, then up rows) and
-    ``experts_down.weight [E, d_model, d_ff]``.
+    ``experts_down.weight [E, d_model, d_ff]`` (``E/P`` experts with an ``ep_group``).
 
     After each forward: ``aux_loss`` (fp32 scalar, ``aux_loss_coef * load-balancing loss +
     z_loss_coef * z loss``, to add to the training loss), ``load_balancing_loss`` and ``z_loss``
@@ -73,11 +79,21 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0,
                  num_shared_experts: int = 0, shared_d_ff: int | None = None, bias: bool = False,
                  activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
-                 recipe: str | Recipe | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 recipe: str | Recipe | None = None, ep_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        # The layer's options, from which expert_parallel() builds the same layer over a group.
+        options = {name: value for name, value in locals().items()
+                   if name not in ("self", "__class__", "ep_group", "device", "dtype")}
         super().__init__()
+        self.options = options
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        self.ep_group = ep_group
+        ranks = dist.get_world_size(ep_group) if ep_group is not None else 1
+        if num_experts % ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep_group's size ({ranks})")
+        self.local_experts = num_experts // ranks
+        self.first_expert = dist.get_rank(ep_group) * self.local_experts if ep_group is not None else 0
         self.d_model = d_model
         self.num_experts = num_experts
         self.top_k = top_k
@@ -88,10 +104,10 @@ class MoE(nn.Module):
         self.router = TopKRouter(d_model, num_experts, top_k, score_func=score_func, renormalize=renormalize,
                                  n_groups=n_groups, topk_groups=topk_groups, expert_bias=expert_bias,
                                  bias_update_rate=bias_update_rate, scale=routed_scaling, **factory)
-        self.experts_gate_up = GroupedLinear(num_experts, d_model, 2 * d_ff, bias=bias,
+        self.experts_gate_up = GroupedLinear(self.local_experts, d_model, 2 * d_ff, bias=bias,
                                              fuse_wgrad_accumulation=fuse_wgrad_accumulation, recipe=recipe,
                                              **factory)
-        self.experts_down = GroupedLinear(num_experts, d_ff, d_model, bias=bias,
+        self.experts_down = GroupedLinear(self.local_experts, d_ff, d_model, bias=bias,
                                           fuse_wgrad_accumulation=fuse_wgrad_accumulation, recipe=recipe, **factory)
         self.shared_experts = (SharedExperts(d_model, num_shared_experts * (shared_d_ff or d_ff), activation,
                                              **factory) if num_shared_experts > 0 else None)
@@ -106,17 +122,14 @@ class MoE(nn.Module):
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         routing = self.router(tokens)
-        x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids, self.num_experts)
-        h = self.experts_gate_up(x_sorted, group_sizes)
-        activation = ACTIVATIONS[self.activation]
-        if self.experts_down.recipe is None:
-            out_sorted = self.experts_down(activation(h), group_sizes)
+        if self.ep_group is None:
+            x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids,
+                                                                           self.num_experts)
+            y = unpermute(self._experts(x_sorted, group_sizes), sorted_to_token_slot, routing.weights, offsets)
         else:
-            # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
-            # forward reads instead of quantizing the activation again.
-            a, a_fp8 = activation(h, recipe=self.experts_down.recipe)
-            out_sorted = self.experts_down(a, group_sizes, x_quantized=a_fp8)
-        y = unpermute(out_sorted, sorted_to_token_slot, routing.weights, offsets)
+            rows, group_sizes, handle = dispatch(tokens, routing.expert_ids, routing.weights, self.ep_group,
+                                                 num_experts=self.num_experts)
+            y = combine(self._experts(rows, group_sizes), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         self.load_balancing_loss = routing.aux_loss
@@ -124,6 +137,34 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
+
+    def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``."""
+        h = self.experts_gate_up(rows, group_sizes)
+        activation = ACTIVATIONS[self.activation]
+        if self.experts_down.recipe is None:
+            return self.experts_down(activation(h), group_sizes)
+        # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
+        # forward reads instead of quantizing the activation again.
+        a, a_fp8 = activation(h, recipe=self.experts_down.recipe)
+        return self.experts_down(a, group_sizes, x_quantized=a_fp8)
+
+    def expert_parallel(self, group: dist.ProcessGroup | None = None) -> MoE:
+        """The same layer over ``group`` (default: the whole world): this rank's experts (copies of their
+        weights), the router and the shared experts replicated. Its outputs on a rank's tokens, and the
+        gradients of its experts, equal this layer's; the router's and shared experts' gradients summed
+        over the ranks equal this layer's on all the ranks' tokens."""
+        if self.ep_group is not None:
+            raise ValueError("this layer is already expert-parallel")
+        weight = self.experts_gate_up.weight
+        layer = MoE(**self.options, ep_group=group if group is not None else dist.group.WORLD,
+                    device=weight.device, dtype=weight.dtype)
+        layer.router.load_state_dict(self.router.state_dict())
+        if self.shared_experts is not None:
+            layer.shared_experts.load_state_dict(self.shared_experts.state_dict())
+        layer.experts_gate_up = self.experts_gate_up.select_experts(layer.first_expert, layer.local_experts)
+        layer.experts_down = self.experts_down.select_experts(layer.first_expert, layer.local_experts)
+        return layer
 
     @classmethod
     def from_hf(cls, block: nn.Module) -> MoE:

@@ -112,24 +112,28 @@ class _Combine(torch.autograd.Function):
         rows = _exchange(back, handle.recv_splits, handle.send_splits, handle.group)  # in handle.order
         ctx.handle = handle
         ctx.save_for_backward(rows, weights)
-        w = weights.reshape(-1)[handle.order].to(rows.dtype)
-        out = rows.new_zeros((handle.tokens, *rows.shape[1:]))
-        out.index_add_(0, handle.order // handle.top_k, rows * w.view(-1, *([1] * (rows.dim() - 1))))
-        return out
+        # Weighted and summed in fp32 (or wider), as the one-process unpermute does.
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        w = weights.reshape(-1)[handle.order].to(wide)
+        out = rows.new_zeros((handle.tokens, *rows.shape[1:]), dtype=wide)
+        out.index_add_(0, handle.order // handle.top_k, rows.to(wide) * w.view(-1, *([1] * (rows.dim() - 1))))
+        return out.to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h = ctx.handle
         rows, weights = ctx.saved_tensors
         token = h.order // h.top_k
-        g = grad[token]
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        g = grad[token].to(wide)
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w_flat = weights.new_zeros(weights.numel())
-            grad_w_flat[h.order] = (g * rows).flatten(1).sum(1).to(weights.dtype)
+            grad_w_flat[h.order] = (g * rows.to(wide)).flatten(1).sum(1).to(weights.dtype)
             grad_w = grad_w_flat.view_as(weights)
-        w = weights.reshape(-1)[h.order].to(g.dtype)
-        sent = _exchange(g * w.view(-1, *([1] * (g.dim() - 1))), h.send_splits, h.recv_splits, h.group)
+        w = weights.reshape(-1)[h.order].to(wide)
+        weighted = (g * w.view(-1, *([1] * (g.dim() - 1)))).to(rows.dtype)
+        sent = _exchange(weighted, h.send_splits, h.recv_splits, h.group)
         return sent[h.recv_order], grad_w, None
 
 
