@@ -1,0 +1,81 @@
+"""Data parallelism for models with expert-parallel MoE layers: DDP for what every rank holds, the
+experts' gradients reduced over the ranks that hold the same experts.
+
+A rank of an expert-parallel layer holds E/P experts of its EP group (P ranks) and a replica of
+everything else (router, shared experts, the rest of the model). ``combine``'s backward already brings
+every rank of the EP group its share of each token's gradient, so an expert's gradient sums the losses
+of its EP group's ranks. DDP averages the replicated parameters' gradients over the world; the experts'
+are summed over the ranks that hold the same experts (the same place in their EP groups: ranks
+r, r + P, ... when the world is split into EP groups of P consecutive ranks, none when P is the world)
+and divided by the world's size, which makes every gradient that of the mean of all ranks' losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def _expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from dropless.nn.moe import MoE
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.ep_group is not None]
+
+
+def _replica_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """The ranks that hold the same experts as this one (the same place in their EP groups). Every rank
+    creates every such group, in the same order, as ``new_group`` asks."""
+    world = dist.get_world_size()
+    place = torch.tensor([dist.get_rank(ep_group)])
+    places = [torch.empty_like(place) for _ in range(world)]
+    dist.all_gather(places, place)
+    places = [int(p) for p in places]
+    mine = None
+    for p in sorted(set(places)):
+        ranks = [r for r, q in enumerate(places) if q == p]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if p == places[dist.get_rank()]:
+            mine = group
+    return mine
+
+
+def expert_data_parallel(model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+    """``model`` wrapped in DDP over the world, its expert-parallel experts left out of DDP's reduction
+    and reduced as the module docstring says (a hook per expert parameter, on each backward's gradient,
+    so accumulating micro-batches works as with DDP itself).
+
+    Args:
+        model: a module holding ``dropless.MoE`` layers built with an ``ep_group`` (or by
+            ``MoE.expert_parallel``), on every rank of the world.
+        ddp_options: passed to ``DistributedDataParallel`` (``device_ids`` on GPUs).
+    Returns:
+        The DDP-wrapped model. Call it as the model; step the optimizer as usual.
+    """
+    world = dist.get_world_size()
+    ignored: list[str] = []
+    for name, layer in _expert_layers(model):
+        if layer.experts_gate_up.fuse_wgrad_accumulation:
+            raise ValueError(f"model.{name}: expert_data_parallel reduces the experts' .grad; build the layer "
+                             "without fuse_wgrad_accumulation")
+        replicas = _replica_group(layer.ep_group)
+        for param_name, param in [*layer.experts_gate_up.named_parameters(prefix="experts_gate_up"),
+                                  *layer.experts_down.named_parameters(prefix="experts_down")]:
+            ignored.append(f"{name}.{param_name}" if name else param_name)
+            param.register_hook(_reduce_expert_grad(replicas, world))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return DistributedDataParallel(model, **ddp_options)
+
+
+def _reduce_expert_grad(replicas: dist.ProcessGroup | None, world: int):
+    """A hook on each backward's gradient before it accumulates into ``.grad`` (so micro-batches add up
+    right): summed over the replicas, divided by the world's size."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        if replicas is not None:
+            dist.all_reduce(grad, group=replicas)
+        return grad.div_(world)
+    return hook
