@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="add DeepSeek-V3's auxiliary-loss-free balancing (a routing bias nudged every step)")
     train.add_argument("--fp8", choices=GEMM_RECIPES, help="run the experts' GEMMs in FP8 with this recipe "
                        "(on a GPU with FP8 tensor cores: H100, L4, ...; the CPU runs the same numerics)")
+    train.add_argument("--ep", type=_positive, default=1,
+                       help="expert parallelism: shard each MoE layer's experts over groups of this many "
+                            "processes (under torchrun; default: %(default)s, every process holds every expert)")
     train.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.set_defaults(handler=_train)
@@ -112,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
     distributed.start(ranks, device)
     try:
         trainer = Trainer(preset.name, model_config, train_config, corpus, args.out or Path("runs") / preset.name,
-                          device, ranks, resume=args.resume, compile=args.compile)
+                          device, ranks, resume=args.resume, compile=args.compile, ep=args.ep)
         if ranks.is_main:
             print(trainer.describe(), flush=True)
         summary = trainer.run()

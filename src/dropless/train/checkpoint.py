@@ -5,7 +5,9 @@ included), ``optimizer.<param index>.<name>`` (AdamW's ``step``, ``exp_avg``, ``
 ``rng.torch``, ``rng.cuda`` (on a GPU) and ``rng.sampler`` (the batch sampler's generator). The
 metadata (safetensors keeps strings) holds JSON: ``format``, ``preset``, ``model_config``,
 ``train_config``, ``world_size``, ``data``, ``step``, ``history``, ``optimizer_param_groups`` and
-``python_rng``. Restoring all of it continues a run exactly where it stopped.
+``python_rng``. Restoring all of it continues a run exactly where it stopped. An expert-parallel run
+(``--ep``) writes its experts' weights and moments whole, gathered from their ranks, so a checkpoint
+resumes at any EP size.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +31,14 @@ CHECKPOINT_NAME = "checkpoint.safetensors"
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler_state: torch.Tensor,
-                    meta: dict) -> None:
-    """Write ``path`` (atomically: a temporary file renamed over it). ``meta``: JSON-ready values by key."""
+                    meta: dict, states: tuple[dict, dict] | None = None) -> None:
+    """Write ``path`` (atomically: a temporary file renamed over it). ``meta``: JSON-ready values by key.
+    ``states``: the ``(model, optimizer)`` state dicts to write instead of those of ``model`` and
+    ``optimizer`` (the full tensors of an expert-parallel run)."""
     from safetensors.torch import save_file
 
-    tensors = {f"model.{name}": t for name, t in model.state_dict().items()}
-    optimizer_state = optimizer.state_dict()
+    model_state, optimizer_state = states or (model.state_dict(), optimizer.state_dict())
+    tensors = {f"model.{name}": t for name, t in model_state.items()}
     for index, state in optimizer_state["state"].items():
         tensors.update({f"optimizer.{index}.{name}": t for name, t in state.items()})
     tensors["rng.torch"] = torch.get_rng_state()
@@ -87,15 +92,15 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(Path(path), tensors, {k: json.loads(v) for k, v in metadata.items()})
 
 
-def restore_training_state(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """Load the model, optimizer and the torch, CUDA and Python random states of ``checkpoint``;
-    returns the batch sampler's generator state for the caller's sampler."""
-    model.load_state_dict(checkpoint.section("model"))
+def restore_optimizer_and_rng(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer,
+                              shard: Callable[[dict], dict] = lambda state: state) -> torch.Tensor:
+    """Load the optimizer (its state dict passed through ``shard`` first: an expert-parallel run cuts it
+    to its experts) and the random states of ``checkpoint``; returns the batch sampler's state."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in checkpoint.section("optimizer").items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = t
-    optimizer.load_state_dict({"state": state, "param_groups": checkpoint.meta["optimizer_param_groups"]})
+    optimizer.load_state_dict(shard({"state": state, "param_groups": checkpoint.meta["optimizer_param_groups"]}))
     torch.set_rng_state(checkpoint.tensors["rng.torch"])
     if "rng.cuda" in checkpoint.tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(checkpoint.tensors["rng.cuda"])

@@ -95,12 +95,13 @@ def sum_across_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def check_replicas_identical(model: nn.Module) -> None:
+def check_replicas_identical(model: nn.Module, exclude: frozenset[int] = frozenset()) -> None:
     """Raise RuntimeError if any rank's parameters or buffers differ from rank 0's (one all-gather of
-    per-tensor fp64 sums; a no-op for one process)."""
+    per-tensor fp64 sums; a no-op for one process). ``exclude``: ids of tensors that differ by design
+    (an expert-parallel rank's experts)."""
     if not dist.is_initialized():
         return
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in exclude]
     local = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors])
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dropless.train import distributed
-from dropless.train.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore_training_state, save_checkpoint
+from dropless.parallel import expert_data_parallel
+from dropless.train import distributed, expert_parallel
+from dropless.train.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore_optimizer_and_rng, save_checkpoint
 from dropless.train.data import BatchSampler, Corpus
 from dropless.train.distributed import Ranks
 from dropless.train.errors import TrainError
@@ -76,12 +77,14 @@ class Trainer:
 
     ``run()`` trains to ``train_config.steps`` (or an earlier step), writing to ``out_dir`` the
     checkpoint, ``loss.png``, ``expert-load.png`` and ``summary.json`` (rank 0 only), and returns the
-    summary. Under torchrun each rank trains a DDP replica on its own batches.
+    summary. Under torchrun each rank trains a DDP replica on its own batches; with ``ep`` > 1 the
+    MoE layers' experts are sharded over groups of ``ep`` ranks (``expert_parallel.py``) and the rest
+    is replicated, and checkpoints still hold the whole model.
     """
 
     def __init__(self, preset: str, model_config: ModelConfig, train_config: TrainConfig, corpus: Corpus,
                  out_dir: Path, device: torch.device, ranks: Ranks = Ranks(), *, resume: bool = False,
-                 compile: bool = False, progress: bool = True) -> None:
+                 compile: bool = False, progress: bool = True, ep: int = 1) -> None:
         self.preset = preset
         self.config = train_config
         self.corpus = corpus
@@ -89,6 +92,9 @@ class Trainer:
         self.device = device
         self.ranks = ranks
         self.progress = progress
+        self.ep = ep
+        if ep > 1 and ranks.world_size == 1:
+            raise TrainError(f"--ep {ep} needs several processes (torchrun --nproc-per-node N, N a multiple of {ep})")
         # A checkpoint of another run is refused before anything is allocated.
         checkpoint = read_checkpoint(self.checkpoint_path) if resume else None
         if checkpoint is not None:
@@ -96,16 +102,25 @@ class Trainer:
         torch.manual_seed(train_config.seed)
         random.seed(train_config.seed)
         self.model = MoELanguageModel(model_config).to(device)
+        if checkpoint is not None:
+            self.model.load_state_dict(checkpoint.section("model"))
+        if ep > 1:
+            expert_parallel.shard_experts(self.model, expert_parallel.ep_group(ep, ranks.world_size,
+                                                                               model_config.num_experts))
         self.optimizer = make_optimizer(self.model, train_config, device)
         self.sampler = BatchSampler(corpus.train, train_config.batch_size, train_config.seq_len, train_config.seed,
                                     device, ranks.rank, ranks.world_size)
         self.step = 0
         self.history: list[dict] = []
         if checkpoint is not None:
-            self.sampler.set_state(restore_training_state(checkpoint, self.model, self.optimizer))
+            shard = lambda state: expert_parallel.slice_optimizer_state(self.model, self.optimizer, state)  # noqa: E731
+            self.sampler.set_state(restore_optimizer_and_rng(checkpoint, self.optimizer, shard))
             self.step = checkpoint.meta["step"]
             self.history = checkpoint.meta["history"]
-        self.train_model = distributed.data_parallel(self.model, ranks, device)
+        if ep > 1:
+            self.train_model = expert_data_parallel(self.model, device_ids=[device] if device.type == "cuda" else None)
+        else:
+            self.train_model = distributed.data_parallel(self.model, ranks, device)
         if compile:
             self.train_model = torch.compile(self.train_model)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
@@ -154,7 +169,10 @@ class Trainer:
         loss = lm_loss(logits, targets)
         aux_loss = self.model.aux_loss()
         (loss + aux_loss).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if self.ep > 1:
+            expert_parallel.clip_grad_norm(self.model, self.config.grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.model.config.expert_bias:
@@ -224,7 +242,8 @@ class Trainer:
             bar.set_postfix_str(self._postfix(entry))
             interval = _Interval(self.device, config.n_layers, config.num_experts)
         bar.close()
-        distributed.check_replicas_identical(self.model)
+        experts = frozenset(id(p) for p, _ in expert_parallel.expert_parameters(self.model).values())
+        distributed.check_replicas_identical(self.model, experts)
         if session:
             self.save()
         return self._finish(session, time.perf_counter() - started)
@@ -238,14 +257,16 @@ class Trainer:
                 + f" | {entry['tokens_per_s'] / 1e3:.1f}k tok/s | load max/mean {entry['load_balance']:.2f}")
 
     def save(self) -> None:
-        """Write the checkpoint of the current step (rank 0)."""
+        """Write the checkpoint of the current step (rank 0; with ``ep`` > 1 every rank first helps gather
+        the experts' tensors whole)."""
+        states = expert_parallel.full_state(self.model, self.optimizer) if self.ep > 1 else None
         if not self.ranks.is_main:
             return
         meta = {"preset": self.preset, "model_config": as_dict(self.model.config),
-                "train_config": as_dict(self.config), "world_size": self.ranks.world_size,
+                "train_config": as_dict(self.config), "world_size": self.ranks.world_size, "ep": self.ep,
                 "data": {"name": self.corpus.name, "fingerprint": self.corpus.fingerprint, "bytes": self.corpus.size},
                 "step": self.step, "history": self.history}
-        save_checkpoint(self.checkpoint_path, self.model, self.optimizer, self.sampler.get_state(), meta)
+        save_checkpoint(self.checkpoint_path, self.model, self.optimizer, self.sampler.get_state(), meta, states)
 
     def _finish(self, session: list[dict], wall_s: float) -> dict:
         """The summary of this session (its first interval, with compilation and tuning, left out of the
