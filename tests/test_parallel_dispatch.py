@@ -11,6 +11,7 @@ import pytest
 import torch
 from multiprocess import run_ranks
 
+import dropless
 from dropless.parallel import combine, dispatch
 
 
@@ -116,3 +117,24 @@ def test_dispatch_combine_match_one_process(world, cases):
 @pytest.mark.parametrize("case", ["indivisible", "out_of_range"])
 def test_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case)
+
+
+def _fp8_worker(rank, world, recipe):
+    """With a recipe the copies travel quantized: the received FP8 rows are the sender's quantization of
+    each row, and the values returned beside them are their dequantization, with x's gradient path."""
+    per_rank, _ = _inputs(world, [6, 9], 4, 2, 64, "random", 7)
+    x, idx, w, _ = per_rank[rank]
+    x = x.float().requires_grad_()
+    (values, rows_fp8), sizes, handle = dispatch(x, idx, w.float(), num_experts=4, recipe=recipe)
+    plain, _, _ = dispatch(x.detach(), idx, w.float(), num_experts=4)
+    assert rows_fp8.data.dtype == torch.float8_e4m3fn and rows_fp8.dim == 1
+    expected = dropless.quantize(plain, rows_fp8.recipe, dim=1)
+    assert torch.equal(rows_fp8.data.view(torch.uint8), expected.data.view(torch.uint8))
+    torch.testing.assert_close(values, expected.dequantize(torch.float32))
+    values.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))  # each token's k = 2 copies
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
+def test_fp8_dispatch(recipe):
+    run_ranks(2, _fp8_worker, recipe)

@@ -70,3 +70,31 @@ def test_expert_parallel_layer_matches_the_full_layer(world, tokens, E, shared):
 
 def test_expert_parallel_bad_group():
     run_ranks(2, _bad_group_worker)
+
+
+def _fp8_worker(rank, world, recipe):
+    """An FP8 layer's EP version: token rows travel in FP8; outputs as the full FP8 layer's (the same FP8
+    values: a row's quantization along d does not depend on where it goes), expert gradients within FP8
+    noise of its (the weight gradient re-quantizes the received values along the tokens)."""
+    torch.manual_seed(0)
+    full = dropless.MoE(16, 8, num_experts=4, top_k=2, aux_loss_coef=0.0, recipe=recipe)
+    ep = full.expert_parallel()
+    gen = torch.Generator().manual_seed(1)
+    tokens = [12, 7]
+    x_all = torch.randn(sum(tokens), 16, generator=gen)
+    g_all = torch.randn(sum(tokens), 16, generator=gen)
+    mine = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    (full(x_all) * g_all).sum().backward()
+    x = x_all[mine].clone().requires_grad_()
+    y = ep(x)
+    (y * g_all[mine]).sum().backward()
+    torch.testing.assert_close(y, full(x_all)[mine].detach(), msg=f"rank {rank}: y")
+    experts = slice(ep.first_expert, ep.first_expert + ep.local_experts)
+    for name in ("experts_gate_up", "experts_down"):
+        got, want = getattr(ep, name).weight.grad, getattr(full, name).weight.grad[experts]
+        assert (got - want).norm() <= 0.1 * want.norm(), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
+def test_fp8_rows_travel_quantized(recipe):
+    run_ranks(2, _fp8_worker, recipe)

@@ -11,7 +11,7 @@ from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
 from dropless.parallel import combine, dispatch
-from dropless.quantized import Recipe
+from dropless.quantized import QuantizedTensor, Recipe
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
 # transformers' softmax top-k routers: Mixtral's always renormalizes, Qwen3-MoE's per norm_topk_prob.
@@ -127,9 +127,13 @@ class MoE(nn.Module):
                                                                            self.num_experts)
             y = unpermute(self._experts(x_sorted, group_sizes), sorted_to_token_slot, routing.weights, offsets)
         else:
+            # With a recipe, token rows travel in FP8 (quantized once, at their rank) and the gate/up
+            # product reads them as they come.
+            recipe = self.experts_gate_up.recipe
             rows, group_sizes, handle = dispatch(tokens, routing.expert_ids, routing.weights, self.ep_group,
-                                                 num_experts=self.num_experts)
-            y = combine(self._experts(rows, group_sizes), handle)
+                                                 num_experts=self.num_experts, recipe=recipe)
+            rows, rows_fp8 = rows if recipe is not None else (rows, None)
+            y = combine(self._experts(rows, group_sizes, rows_fp8), handle)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         self.load_balancing_loss = routing.aux_loss
@@ -138,9 +142,11 @@ class MoE(nn.Module):
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
 
-    def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``."""
-        h = self.experts_gate_up(rows, group_sizes)
+    def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor,
+                 rows_fp8: QuantizedTensor | None = None) -> torch.Tensor:
+        """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``;
+        ``rows_fp8``: the rows already quantized for the gate/up product's forward."""
+        h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8)
         activation = ACTIVATIONS[self.activation]
         if self.experts_down.recipe is None:
             return self.experts_down(activation(h), group_sizes)

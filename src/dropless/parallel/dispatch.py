@@ -24,6 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dropless.ops.grouped_mm_fp8 import resolve_recipe
+from dropless.ops.quantize import quantize
+from dropless.quantized import QuantizedTensor, operand_recipes
+
 
 @dataclass
 class DispatchHandle:
@@ -85,13 +89,20 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     return order, send_splits, recv_splits, recv_order.to(topk_idx.device), group_sizes.to(topk_idx.device)
 
 
+def _send_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """``t``'s rows (one per token) to the ranks of the dispatch's copies, in local-expert order."""
+    received = _exchange(t[handle.order // handle.top_k], handle.send_splits, handle.recv_splits, handle.group)
+    return received[handle.recv_order]
+
+
 class _Dispatch(torch.autograd.Function):
+    """Forward: the copies of x's rows, or (``sent`` given) rows already sent, e.g. the dequantized values
+    of FP8 rows; backward: each token's copies' gradients summed back at its rank."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, handle: DispatchHandle, sent: torch.Tensor | None = None) -> torch.Tensor:
         ctx.handle = handle
-        rows = x[handle.order // handle.top_k]
-        received = _exchange(rows, handle.send_splits, handle.recv_splits, handle.group)
-        return received[handle.recv_order]
+        return _send_rows(x, handle) if sent is None else sent
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -101,7 +112,7 @@ class _Dispatch(torch.autograd.Function):
         rows = _exchange(back, h.recv_splits, h.send_splits, h.group)
         grad_x = grad.new_zeros((h.tokens, *grad.shape[1:]))
         grad_x.index_add_(0, h.order // h.top_k, rows)
-        return grad_x, None
+        return grad_x, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -138,8 +149,9 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-             group: dist.ProcessGroup | None = None, *, num_experts: int,
-             backend: str = "nccl") -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+             group: dist.ProcessGroup | None = None, *, num_experts: int, backend: str = "nccl",
+             recipe: str | None = None) -> tuple[torch.Tensor | tuple[torch.Tensor, QuantizedTensor], torch.Tensor,
+                                                 DispatchHandle]:
     """Send each token's k copies to the ranks that own their experts.
 
     Args:
@@ -151,10 +163,16 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         num_experts: E, all ranks' experts together.
         backend: ``"nccl"``: ``all_to_all_single`` after a count exchange (NCCL on GPUs, gloo on the
             CPU), one host sync per dispatch.
+        recipe: an FP8 recipe whose activations quantize along d (``"rowwise"``, ``"block128"``,
+            ``"mxfp8"``): each token is quantized once at its rank and its copies travel as FP8 bytes and
+            scales (about half the bytes of bf16), for a grouped GEMM to read without quantizing again.
     Returns:
         ``(rows, group_sizes, handle)``: rows ``[R, d]`` received, sorted by local expert (rank r's
         experts ``r*E/P ..``), each expert's rows in source-rank then token order; group_sizes int32
-        ``[E/P]`` on x's device; the handle for ``combine``.
+        ``[E/P]`` on x's device; the handle for ``combine``. With a recipe, rows is ``(values, fp8)``:
+        the FP8 rows as a ``QuantizedTensor`` (along d) and their dequantized values in x's dtype,
+        differentiable (the gradient goes back to x as without a recipe; a weight gradient quantizes
+        these values along the tokens).
     """
     if backend != "nccl":
         raise ValueError(f"backend must be 'nccl', got {backend!r}")
@@ -166,7 +184,16 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
     order, send, recv, recv_order, group_sizes = _route(topk_idx, num_experts, group)
     handle = DispatchHandle(group, order, send, recv, recv_order, topk_weights, x.shape[0], topk_idx.shape[1])
-    return _Dispatch.apply(x, handle), group_sizes, handle
+    if recipe is None:
+        return _Dispatch.apply(x, handle), group_sizes, handle
+    act, _ = operand_recipes(resolve_recipe(recipe))
+    q = quantize(x.detach(), act, dim=1)
+    # FP8 data and E8M0 scales travel as their bytes.
+    data = _send_rows(q.data.view(torch.uint8), handle).view(q.data.dtype)
+    scale = q.scale.view(torch.uint8) if q.scale.element_size() == 1 else q.scale
+    rows_fp8 = QuantizedTensor(data, _send_rows(scale, handle).view(q.scale.dtype), q.recipe, 1)
+    values = _Dispatch.apply(x, handle, rows_fp8.dequantize(x.dtype))
+    return (values, rows_fp8), group_sizes, handle
 
 
 def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
