@@ -89,10 +89,17 @@ def _worker(rank, world, cases):
 def _bad_input_worker(rank, world, case):
     x = torch.randn(3, 4)
     idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
-    if case == "out_of_range" and rank == world - 1:
+    last = rank == world - 1
+    if case == "out_of_range" and last:
         idx[1, 0] = 4
+    if case == "dtype" and last:
+        x = x.double()
+    if case == "width" and last:
+        x = torch.randn(3, 5)
     E = 3 if case == "indivisible" else 4
-    with pytest.raises(ValueError, match="num_experts" if case == "indivisible" else "topk_idx"):
+    match = {"indivisible": "num_experts", "out_of_range": "topk_idx", "dtype": "one dtype and width",
+             "width": "one dtype and width"}[case]
+    with pytest.raises(ValueError, match=match):
         dispatch(x, idx, torch.rand(3, 2), num_experts=E)
 
 
@@ -114,7 +121,7 @@ def test_dispatch_combine_match_one_process(world, cases):
     run_ranks(world, _worker, cases)
 
 
-@pytest.mark.parametrize("case", ["indivisible", "out_of_range"])
+@pytest.mark.parametrize("case", ["indivisible", "out_of_range", "dtype", "width"])
 def test_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case)
 

@@ -56,11 +56,16 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.
     return out
 
 
-def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None):
+# Row dtypes by code, for the check that every rank sends rows of one dtype and width.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None, x: torch.Tensor):
     """Sort the copies by expert, count them per (rank, local expert) and exchange the counts.
 
-    Each rank also sends how many of its ids fall outside ``[0, num_experts)``, so that every rank
-    raises together (a rank that raised alone would leave the others waiting in the next collective)."""
+    Each rank also sends how many of its ids fall outside ``[0, num_experts)`` and its rows' dtype and
+    width, so that every rank raises together on bad input (a rank that raised alone would leave the
+    others waiting in the next collective)."""
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
@@ -70,7 +75,10 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     ids = ids.clamp(0, num_experts - 1)
     order = torch.sort(ids, stable=True).indices
     counts = torch.bincount(ids, minlength=num_experts).view(world, local)
-    table = torch.cat([counts, bad.sum().expand(world, 1)], dim=1)
+    dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    facts = torch.stack([bad.sum(), torch.tensor(dtype_code, device=ids.device),
+                         torch.tensor(x.shape[1], device=ids.device)])
+    table = torch.cat([counts, facts.expand(world, 3)], dim=1)
     received = torch.empty_like(table)
     dist.all_to_all_single(received, table, group=group)
     # The one host sync: all_to_all_single takes its splits on the host.
@@ -78,6 +86,9 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     if received[:, local].any():
         ranks = received[:, local].nonzero().flatten().tolist()
         raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}); rank(s) {ranks} sent others")
+    if (received[:, local + 1:] != received[0, local + 1:]).any():
+        kinds = [(str(_DTYPES[c]) if c < len(_DTYPES) else "other", int(d)) for c, d in received[:, local + 1:].tolist()]
+        raise ValueError(f"x must have one dtype and width on every rank of the group, got (dtype, d) {kinds}")
     recv_table = received[:, :local]
     send_splits = table[:, :local].sum(1).tolist()
     recv_splits = recv_table.sum(1).tolist()
@@ -182,7 +193,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
-    order, send, recv, recv_order, group_sizes = _route(topk_idx, num_experts, group)
+    order, send, recv, recv_order, group_sizes = _route(topk_idx, num_experts, group, x)
     handle = DispatchHandle(group, order, send, recv, recv_order, topk_weights, x.shape[0], topk_idx.shape[1])
     if recipe is None:
         return _Dispatch.apply(x, handle), group_sizes, handle
