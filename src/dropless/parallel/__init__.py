@@ -1,6 +1,6 @@
 """Expert parallelism: token dispatch to the ranks that own the experts, and the weighted combine back."""
 
-from dropless.parallel.data_parallel import expert_data_parallel
+from dropless.parallel.data_parallel import expert_data_parallel, expert_fully_shard
 from dropless.parallel.dispatch import DispatchHandle, combine, dispatch
 
-__all__ = ["DispatchHandle", "combine", "dispatch", "expert_data_parallel"]
+__all__ = ["DispatchHandle", "combine", "dispatch", "expert_data_parallel", "expert_fully_shard"]

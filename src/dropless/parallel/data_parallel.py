@@ -1,5 +1,5 @@
-"""Data parallelism for models with expert-parallel MoE layers: DDP for what every rank holds, the
-experts' gradients reduced over the ranks that hold the same experts.
+"""Data parallelism for models with expert-parallel MoE layers: DDP (or FSDP2's ``fully_shard``) for what
+every rank holds, the experts' gradients reduced over the ranks that hold the same experts.
 
 A rank of an expert-parallel layer holds E/P experts of its EP group (P ranks) and a replica of
 everything else (router, shared experts, the rest of the model). ``combine``'s backward already brings
@@ -55,8 +55,34 @@ def expert_data_parallel(model: nn.Module, **ddp_options: Any) -> DistributedDat
     Returns:
         The DDP-wrapped model. Call it as the model; step the optimizer as usual.
     """
+    experts = _reduce_experts_apart(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(experts))
+    return DistributedDataParallel(model, **ddp_options)
+
+
+def expert_fully_shard(model: nn.Module, **fsdp_options: Any) -> nn.Module:
+    """``fully_shard(model)`` (FSDP2) over the world for every parameter but the expert-parallel experts,
+    which are left whole on their ranks and reduced as the module docstring says. Shard submodules
+    first (``fully_shard`` on each block, with ``ignored_params`` naming the experts) for finer-grained
+    gathers; this call shards the rest.
+
+    Args:
+        model: as ``expert_data_parallel``'s.
+        fsdp_options: passed to ``fully_shard`` (``mesh``, ``mp_policy``, ...), except ``ignored_params``.
+    Returns:
+        ``model``, sharded in place.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    experts = _reduce_experts_apart(model)
+    return fully_shard(model, ignored_params=set(experts.values()), **fsdp_options)
+
+
+def _reduce_experts_apart(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Hook each expert-parallel expert parameter's gradient (summed over its replicas, divided by the
+    world's size); returns them by their name in ``model``."""
     world = dist.get_world_size()
-    ignored: list[str] = []
+    experts: dict[str, nn.Parameter] = {}
     for name, layer in _expert_layers(model):
         if layer.experts_gate_up.fuse_wgrad_accumulation:
             raise ValueError(f"model.{name}: expert_data_parallel reduces the experts' .grad; build the layer "
@@ -64,10 +90,9 @@ def expert_data_parallel(model: nn.Module, **ddp_options: Any) -> DistributedDat
         replicas = _replica_group(layer.ep_group)
         for param_name, param in [*layer.experts_gate_up.named_parameters(prefix="experts_gate_up"),
                                   *layer.experts_down.named_parameters(prefix="experts_down")]:
-            ignored.append(f"{name}.{param_name}" if name else param_name)
+            experts[f"{name}.{param_name}" if name else param_name] = param
             param.register_hook(_reduce_expert_grad(replicas, world))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    return DistributedDataParallel(model, **ddp_options)
+    return experts
 
 
 def _reduce_expert_grad(replicas: dist.ProcessGroup | None, world: int):
