@@ -74,7 +74,9 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     bad = (ids < 0) | (ids >= num_experts)
     ids = ids.clamp(0, num_experts - 1)
     order = torch.sort(ids, stable=True).indices
-    counts = torch.bincount(ids, minlength=num_experts).view(world, local)
+    # scatter_add, not bincount: bincount reads the largest id on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids)).view(world, local)
     dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
     facts = torch.stack([bad.sum(), torch.tensor(dtype_code, device=ids.device),
                          torch.tensor(x.shape[1], device=ids.device)])
@@ -82,16 +84,17 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     received = torch.empty_like(table)
     dist.all_to_all_single(received, table, group=group)
     # The one host sync: all_to_all_single takes its splits on the host.
-    received, table = torch.stack([received, table]).cpu()
+    received, table = torch.stack([received, table]).cpu()  # sync-ok: the backend's one sync, for the splits
     if received[:, local].any():
-        ranks = received[:, local].nonzero().flatten().tolist()
+        ranks = received[:, local].nonzero().flatten().tolist()  # sync-ok: host tensor, bad input only
         raise ValueError(f"topk_idx must hold expert ids in [0, {num_experts}); rank(s) {ranks} sent others")
     if (received[:, local + 1:] != received[0, local + 1:]).any():
-        kinds = [(str(_DTYPES[c]) if c < len(_DTYPES) else "other", int(d)) for c, d in received[:, local + 1:].tolist()]
+        facts = received[:, local + 1:].tolist()  # sync-ok: host tensor, bad input only
+        kinds = [(str(_DTYPES[c]) if c < len(_DTYPES) else "other", int(d)) for c, d in facts]
         raise ValueError(f"x must have one dtype and width on every rank of the group, got (dtype, d) {kinds}")
     recv_table = received[:, :local]
-    send_splits = table[:, :local].sum(1).tolist()
-    recv_splits = recv_table.sum(1).tolist()
+    send_splits = table[:, :local].sum(1).tolist()  # sync-ok: host tensors (read back above)
+    recv_splits = recv_table.sum(1).tolist()  # sync-ok: host tensors
     # Received rows come rank-major, each rank's sorted by local expert: a stable sort by expert makes
     # them expert-major, each expert's rows in rank order.
     expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(world), recv_table.flatten())
