@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -33,4 +34,5 @@ def _in_group(rank: int, world: int, init_file: str, target: Callable, args: tup
     try:
         target(rank, world, *args)
     finally:
+        gc.collect()  # FSDP2's modules hold cycles that keep gloo work alive past teardown (an abort at exit)
         dist.destroy_process_group()
