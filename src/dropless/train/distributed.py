@@ -8,7 +8,6 @@ CPU processes) and rank 0 alone prints and writes files.
 from __future__ import annotations
 
 import gc
-
 import os
 from dataclasses import dataclass
 
