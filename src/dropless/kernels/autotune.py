@@ -6,14 +6,17 @@ while a CUDA graph is being captured: a class first seen under capture takes the
 Each candidate is timed in three interleaved rounds and keeps the median of its three medians (a
 GPU that starts cool runs its first timings at higher clocks than it holds under load, so the best
 round would favour whichever candidate ran first); the default config stays unless another candidate
-is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the default.
+is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the default; launches made inside
+``untimed()`` (from a running XLA computation, where a timing would stall it) take it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-from collections.abc import Callable, Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 from triton.testing import do_bench
@@ -25,6 +28,19 @@ from dropless.kernels.launch import interpreting, next_power_of_2
 MIN_TUNED_FLOPS = 2**30
 TUNING_ROUNDS = 3
 DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction to replace it
+_untimed = threading.local()
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Within this block (on this thread), every tuner takes its default config for a class it has not
+    timed, instead of timing the candidates."""
+    before = getattr(_untimed, "on", False)
+    _untimed.on = True
+    try:
+        yield
+    finally:
+        _untimed.on = before
 
 
 def problem_class(*parts: Hashable, M: int) -> tuple:
@@ -66,7 +82,7 @@ class Autotuner:
             return self.cache[key]
         default = self.default if element_size <= 2 else self.small_default
         if (os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or flops < MIN_TUNED_FLOPS
-                or torch.cuda.is_current_stream_capturing()):
+                or getattr(_untimed, "on", False) or torch.cuda.is_current_stream_capturing()):
             return default
         samples: dict[GemmConfig, list[float]] = {}
         failed: dict[GemmConfig, Exception] = {}

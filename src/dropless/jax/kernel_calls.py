@@ -1,0 +1,80 @@
+"""The grouped GEMM kernels as XLA custom calls.
+
+Each op is a ``jax.experimental.buffer_callback``: an XLA FFI call that hands the device buffers of its
+operands and results to a launcher at run time, on the stream XLA runs on. The launcher views them as
+torch tensors through DLPack (no copy: the same device memory) and launches the project's kernels on
+that stream (the Hopper Gluon kernels where they apply, the Triton ones elsewhere), exactly as the
+PyTorch ops do, so both front ends run the same kernels with the same configurations. Nothing moves to
+the host and nothing waits for it; the launch itself runs a little Python on the host per call.
+
+Tile configurations are the tuners' defaults (the measured winners): timing candidates from inside a
+running XLA computation would stall it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import torch
+from jax.experimental.buffer_callback import buffer_callback
+
+from dropless.kernels.autotune import untimed
+from dropless.kernels.ragged_k import NO_ACCUMULATE
+from dropless.kernels.tuning import run_ragged_k, run_ragged_m
+
+_DLPACK_CUDA = 2
+
+
+@contextlib.contextmanager
+def _on_xla_stream(ctx, buffer) -> Iterator[None]:
+    """Make XLA's stream torch's current one (on a GPU), with tuning off."""
+    device_type, index = buffer.__dlpack_device__()
+    with untimed():
+        if device_type != _DLPACK_CUDA:
+            yield
+            return
+        device = torch.device("cuda", index)
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device)):
+            yield
+
+
+def _tensors(*buffers) -> list[torch.Tensor]:
+    return [torch.from_dlpack(b) for b in buffers]
+
+
+def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, out_dtype: np.dtype) -> jax.Array:
+    """``out[s_g:t_g] = lhs[s_g:t_g] @ rhs[g]`` (``rhs[g]^T`` with ``rhs_nk``), zero past ``offsets[-1]``.
+
+    lhs: ``[M, K]``; rhs: ``[G, K, N]``, or ``[G, N, K]`` with ``rhs_nk``, lhs's dtype; offsets: int32
+    ``[G]`` cumulative group ends. Returns ``[M, N]`` in ``out_dtype`` (lhs's dtype or float32).
+    """
+    N = rhs.shape[1] if rhs_nk else rhs.shape[2]
+
+    def launch(ctx, out, a, b, ends) -> None:
+        with _on_xla_stream(ctx, out):
+            a, b, ends, c = _tensors(a, b, ends, out)
+            run_ragged_m(a, b.transpose(1, 2) if rhs_nk else b, ends, c)
+
+    call = buffer_callback(launch, jax.ShapeDtypeStruct((lhs.shape[0], N), out_dtype), vmap_method="sequential")
+    return call(lhs, rhs, offsets)
+
+
+def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.dtype) -> jax.Array:
+    """``out[g] = lhs[s_g:t_g]^T @ rhs[s_g:t_g]``, zero for an empty group; rows past ``offsets[-1]``
+    take no part.
+
+    lhs: ``[M, K]``; rhs: ``[M, N]`` of lhs's dtype; offsets: int32 ``[G]``. Returns ``[G, K, N]`` in
+    ``out_dtype`` (lhs's dtype or float32).
+    """
+    shape = (offsets.shape[0], lhs.shape[1], rhs.shape[1])
+
+    def launch(ctx, out, a, b, ends) -> None:
+        with _on_xla_stream(ctx, out):
+            a, b, ends, c = _tensors(a, b, ends, out)
+            run_ragged_k(a, b, ends, c, NO_ACCUMULATE, None)
+
+    call = buffer_callback(launch, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
+    return call(lhs, rhs, offsets)
