@@ -14,6 +14,8 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+    # JAX on the CPU with several devices, for the shard_map tests (read when JAX starts).
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 else:
     # Autotuning compiles and times every candidate for each new problem class: minutes over this
     # suite. Tests take the default configs; test_kernels checks every candidate, and the tests of

@@ -14,6 +14,7 @@ running XLA computation would stall it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import jax
@@ -22,19 +23,25 @@ import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 from dropless.kernels.autotune import untimed
+from dropless.kernels.launch import interpreting
 from dropless.kernels.ragged_k import NO_ACCUMULATE
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 
 _DLPACK_CUDA = 2
+# XLA runs the computations of several CPU devices (shard_map) on threads of their own, and Triton's
+# interpreter, which patches triton.language while it runs a kernel, takes one kernel at a time.
+_interpreter_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _on_xla_stream(ctx, buffer) -> Iterator[None]:
-    """Make XLA's stream torch's current one (on a GPU), with tuning off."""
+    """Make XLA's stream torch's current one (on a GPU), with tuning off; on the CPU, hold the
+    interpreter."""
     device_type, index = buffer.__dlpack_device__()
     with untimed():
         if device_type != _DLPACK_CUDA:
-            yield
+            with _interpreter_lock if interpreting() else contextlib.nullcontext():
+                yield
             return
         device = torch.device("cuda", index)
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device)):
