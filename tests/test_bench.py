@@ -14,7 +14,7 @@ from dropless.bench.readme import END, START, render_table
 from dropless.bench.report import summarize
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import QUICK_SHAPES
-from dropless.bench.timing import round_order
+from dropless.bench.timing import queued_median_ms, round_order
 
 ROW_KEYS = {"shape", "E", "M", "K", "N", "routing", "max_group", "method", "pass", "ms", "ms_rounds", "tflops",
             "ratio_to_dense", "max_rel_err", "failed", "error"}
@@ -83,6 +83,14 @@ def test_round_order_shuffles_each_round_reproducibly():
     assert orders == [round_order(cases, r, seed=0) for r in range(3)]
     assert round_order(cases, 0, seed=1) != orders[0]
     assert cases == list(range(20))
+
+
+def test_queued_timing_waits_once_per_batch_for_its_last_call():
+    calls, waited = [], []
+    ms = queued_median_ms(lambda: calls.append(len(calls)) or len(calls), waited.append, warmup=1.0, rep=5.0)
+    assert ms > 0
+    assert 2 <= len(waited) < len(calls)  # calls are queued: far fewer waits than calls
+    assert waited[-1] == len(calls) and waited == sorted(set(waited))  # each wait gets its batch's last result
 
 
 def _row(shape: str, routing: str, method: str, pass_: str, tflops: float | None) -> dict:

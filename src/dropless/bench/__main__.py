@@ -1,6 +1,6 @@
-"""``python -m dropless.bench gemm | fp8 | moe | merge | readme``: run the GEMM benchmark, its FP8
-version or the whole MoE layer benchmark, join result files of runs split by shape, or regenerate the
-README tables."""
+"""``python -m dropless.bench gemm | fp8 | moe | jax | merge | readme``: run the GEMM benchmark, its FP8
+version, the whole MoE layer benchmark or the JAX one, join result files of runs split by shape, or
+regenerate the README tables."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from dropless.bench.environment import device_name, slug
 from dropless.bench.fp8 import Fp8Options, format_fp8_table, format_quantization_table, run_fp8
 from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.gemm import GemmOptions, run_gemm
+from dropless.bench.jax_report import LABELS as JAX_LABELS
+from dropless.bench.jax_report import PASSES as JAX_PASSES
+from dropless.bench.jax_report import format_jax_table
 from dropless.bench.merge import merge_results
 from dropless.bench.moe import BF16_METHODS, MoEOptions, run_moe
 from dropless.bench.moe import METHODS as MOE_METHODS
@@ -84,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--fp8", nargs="+", default=(), choices=GEMM_RECIPES, metavar="RECIPE",
                      help=f"also run dropless.MoE with FP8 expert GEMMs in these recipes, of {list(GEMM_RECIPES)}")
 
+    jax_bench = _add_run_arguments(sub.add_parser(
+        "jax", help="time dropless.jax.ragged_dot against jax.lax.ragged_dot, the PyTorch dropless.grouped_mm "
+                    "and a dense jnp matmul in one process; JAX's GPU memory grows on demand "
+                    "(XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so the PyTorch side keeps its share"),
+        "jax", "tiny shapes")
+    jax_bench.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
+    jax_bench.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    jax_bench.add_argument("--passes", nargs="+", help=f"of {list(JAX_PASSES)} (default: both)")
+    jax_bench.add_argument("--methods", nargs="+", help=f"of {list(JAX_LABELS)} (default: all)")
+
     merge = sub.add_parser("merge", help="join result files of runs split by shape into one")
     merge.add_argument("results", nargs="+", type=Path, help="result JSON files of disjoint shapes")
     merge.add_argument("--out", type=Path, required=True, help="the merged JSON file to write")
@@ -148,6 +161,20 @@ def _moe(args: argparse.Namespace) -> int:
                 lambda result: [moe_report.format_table(result)])
 
 
+def _jax(args: argparse.Namespace) -> int:
+    try:  # imported here: only this command loads JAX, and its module sets JAX's memory options first
+        from dropless.bench.jax_gemm import JaxOptions, run_jax
+    except ImportError as exc:
+        print(f"error: the jax benchmark needs JAX ({exc})", file=sys.stderr)
+        return 2
+    opts = JaxOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+                      passes=_names(args.passes) or JAX_PASSES, methods=_names(args.methods) or tuple(JAX_LABELS),
+                      **_run_options(args))
+    return _run(args, "jax", lambda: run_jax(opts), opts,
+                lambda result, path: plot(result, path, JAX_LABELS, "JAX grouped GEMM"),
+                lambda result: [format_jax_table(result)])
+
+
 def _merge(args: argparse.Namespace) -> int:
     try:
         result = merge_results([read_json(p) for p in args.results], args.commit)
@@ -210,7 +237,8 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "merge": _merge, "readme": _readme}[args.command](args)
+    commands = {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "jax": _jax, "merge": _merge, "readme": _readme}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ from dropless.bench.shapes import Shape, select_shapes
 from dropless.bench.timing import median_ms, round_order
 from dropless.kernels.tuning import tuned_configs
 
+# How a case is timed: (its run, the device, warm-up ms, repetition ms) -> median ms.
+Timer = Callable[[Callable[[], Any], torch.device, float, float], float]
+
 
 @dataclass
 class GemmOptions(RunOptions):
@@ -38,6 +42,7 @@ class GemmOptions(RunOptions):
     registry: dict[str, Callable[[Problem], Method]] = field(default_factory=lambda: dict(METHODS))
     tolerance: float | None = None  # largest max_rel_err passed (None: the dtype's TOLERANCE)
     align: int = 1  # every group size a multiple of this (peers that need 16-row groups)
+    timer: Timer = median_ms  # every method of a run is timed by the same one
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,7 +106,7 @@ def _run_case(shape: Shape, routing: str, sizes: list[int], opts: GemmOptions) -
             if row["failed"]:
                 continue
             try:
-                samples.append(median_ms(case.run, opts.device, opts.warmup, opts.rep))
+                samples.append(opts.timer(case.run, opts.device, opts.warmup, opts.rep))
             except Exception as exc:  # recorded as the row's error; the benchmark goes on
                 row["failed"] = True
                 row["error"] = _describe_error(exc)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from dropless.bench.report import LABELS, headline, index_rows, unique
 
 
-def plot(result: dict, path: Path) -> bool:
-    """Write a PNG of ``result`` to ``path``; False (and nothing written) without matplotlib.
+def plot(result: dict, path: Path, labels: Mapping[str, str] = LABELS, title: str = "grouped GEMM") -> bool:
+    """Write a PNG of ``result`` to ``path``, methods named by ``labels``; False (and nothing written)
+    without matplotlib.
 
     Balanced routing is drawn solid, skewed hatched; a missing bar is a failed or raised case.
     """
@@ -44,10 +46,10 @@ def plot(result: dict, path: Path) -> bool:
         ax.set_ylabel("TFLOP/s")
         ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    handles = [Patch(color=colors[m], label=LABELS.get(m, m)) for m in methods]
+    handles = [Patch(color=colors[m], label=labels.get(m, m)) for m in methods]
     handles += [Patch(facecolor="lightgray", hatch=hatches[r], edgecolor="white", label=r) for r in routings]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"grouped GEMM, TFLOP/s of useful FLOPs\n{headline(result['meta'])}", fontsize=9)
+    fig.suptitle(f"{title}, TFLOP/s of useful FLOPs\n{headline(result['meta'])}", fontsize=9)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

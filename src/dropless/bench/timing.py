@@ -1,4 +1,5 @@
-"""Median time of a callable: CUDA events through ``triton.testing.do_bench`` on a GPU."""
+"""Median time of a callable: CUDA events through ``triton.testing.do_bench`` on a GPU, or the host
+clock over batches of queued calls (for work that CUDA events on torch's stream cannot see)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,42 @@ def _host_median_ms(fn: Callable[[], Any], warmup: float, rep: float) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def queued_median_ms(fn: Callable[[], T], wait: Callable[[T], Any], warmup: float, rep: float,
+                     batches: int = 5) -> float:
+    """Median milliseconds per call of ``fn()`` over batches of calls queued back to back, each batch
+    ended by one ``wait(result)`` of its last call, after ``warmup`` ms of such batches.
+
+    For timing work on streams torch does not own (JAX's) beside torch's own, every method alike: the
+    host clock around a batch counts the device time and whatever host time the device could not hide,
+    as a training step sees it, and waiting once per batch keeps the wait's own latency out of it. A
+    batch is sized to last about ``rep / batches`` ms; the timed batches run for about ``rep`` ms (one
+    at the least).
+    """
+    deadline = time.perf_counter() + warmup / 1e3
+    per_call = _batch_ms(fn, wait, 1)
+    while time.perf_counter() < deadline:
+        per_call = _batch_ms(fn, wait, _batch_size(rep / batches, per_call))
+    size = _batch_size(rep / batches, per_call)
+    times: list[float] = []
+    deadline = time.perf_counter() + rep / 1e3
+    while not times or time.perf_counter() < deadline:
+        times.append(_batch_ms(fn, wait, size))
+    return statistics.median(times)
+
+
+def _batch_ms(fn: Callable[[], T], wait: Callable[[T], Any], calls: int) -> float:
+    """Milliseconds per call of ``calls`` queued calls and one wait for the last."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = fn()
+    wait(result)
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def _batch_size(batch_ms: float, per_call_ms: float) -> int:
+    return max(1, round(batch_ms / per_call_ms)) if per_call_ms > 0 else 1
 
 
 def round_order(cases: Sequence[T], round_: int, seed: int) -> list[T]:
