@@ -21,6 +21,8 @@ else:
     # suite. Tests take the default configs; test_kernels checks every candidate, and the tests of
     # test_gpu.py that need tuned configs (sync-free, CUDA graphs) turn it back on.
     os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
+    # JAX takes GPU memory as it needs it, leaving the rest to PyTorch in the same process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import hashlib  # noqa: E402
 import random  # noqa: E402
