@@ -169,18 +169,40 @@ def test_the_backend_is_chosen_at_trace_time(backend, monkeypatch):
     assert bool(calls) == (name == "triton")
 
 
+def test_replace_ragged_dot_points_xla_s_op_at_the_kernels(triton_backend, monkeypatch):
+    from dropless.jax import kernel_calls
+
+    calls = []
+    original = kernel_calls.ragged_m
+    monkeypatch.setattr(kernel_calls, "ragged_m", lambda *a: calls.append(1) or original(*a))
+    sizes, M = [3, 0, 8], 13
+    rng = np.random.default_rng(37)
+    x, w = randn(rng, (M, 8), jnp.float32), randn(rng, (3, 8, 4), jnp.float32)
+
+    def model(x, w):  # written against XLA's op, as MaxText's MoE is
+        return jax.lax.ragged_dot(lhs=x, rhs=w, group_sizes=jnp.asarray(sizes), precision=jax.lax.Precision.DEFAULT,
+                                  preferred_element_type=jnp.float32)
+
+    with djax.replace_ragged_dot():
+        y = jax.jit(model)(x, w)
+    assert calls and jax.lax.ragged_dot is not djax.ragged_dot
+    assert_rows_close(y, oracle_mm(x, w, sizes), sizes, jnp.float32)
+
+
 BAD = [
     ("x", ValueError, "x must have 2 dimensions", lambda x, w, g: djax.ragged_dot(x[None], w, g)),
     ("w", ValueError, r"w must have shape \[G, K, N\] with K=8", lambda x, w, g: djax.ragged_dot(x, w[:, :4], g)),
     ("w-nk", ValueError, r"w must have shape \[G, N, K\] with K=8",
      lambda x, w, g: djax.grouped_mm(x, w, group_sizes=g, transposed=True)),
-    ("group_sizes-len", ValueError, r"group_sizes must have shape \[G\] = \[2\]", lambda x, w, g: djax.ragged_dot(x, w, g[:1])),
+    ("group_sizes-len", ValueError, r"group_sizes must have shape \[G\] = \[2\]",
+     lambda x, w, g: djax.ragged_dot(x, w, g[:1])),
     ("group_sizes-dtype", TypeError, "group_sizes must have an integer dtype",
      lambda x, w, g: djax.ragged_dot(x, w, g.astype(jnp.float32))),
     ("x-dtype", TypeError, "x must have dtype in", lambda x, w, g: djax.ragged_dot(x.astype(jnp.int32), w, g)),
     ("both", ValueError, "pass offsets or its alias offs", lambda x, w, g: djax.grouped_mm(x, w, g, offs=g)),
     ("none", ValueError, "exactly one of offsets", lambda x, w, g: djax.grouped_mm(x, w)),
     ("group_offset", NotImplementedError, "group_offset", lambda x, w, g: djax.ragged_dot(x, w, g, group_offset=g)),
+    ("out_sharding", NotImplementedError, "out_sharding", lambda x, w, g: djax.ragged_dot(x, w, g, out_sharding=1)),
     ("empty-w", ValueError, r"at least one group", lambda x, w, g: djax.ragged_dot(x, w[:0], g[:0])),
     ("not-array", TypeError, "w must be a jax array", lambda x, w, g: djax.ragged_dot(x, [[1.0]], g)),
 ]

@@ -35,7 +35,8 @@ def _to_jax(t: torch.Tensor, dtype: Any) -> jnp.ndarray:
     t = t.detach().cpu()
     # A copy: on the CPU jnp.asarray may alias the numpy buffer, which in-place updates of the PyTorch
     # tensor would then change under JAX.
-    host = t.numpy().copy() if t.dtype in (torch.float32, torch.float64, torch.int32, torch.int64) else t.float().numpy()
+    exact = t.dtype in (torch.float32, torch.float64, torch.int32, torch.int64)
+    host = t.numpy().copy() if exact else t.float().numpy()
     return jnp.asarray(host, dtype)
 
 

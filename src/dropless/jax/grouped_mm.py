@@ -16,6 +16,8 @@ import numpy as np
 from dropless.jax import kernel_calls
 from dropless.jax.backend import use_kernels
 
+# XLA's own op, bound once: ``replace_ragged_dot`` may point ``jax.lax.ragged_dot`` at ``ragged_dot`` below.
+_xla_ragged_dot = jax.lax.ragged_dot
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REFERENCE_DTYPES = (*KERNEL_DTYPES, jnp.float64)
 
@@ -73,14 +75,14 @@ def _grouped(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dty
     if not use_kernels():
         sizes = jnp.diff(offsets.astype(jnp.int32), prepend=0)
         w_kn = jnp.swapaxes(w, 1, 2) if w_nk else w
-        return jax.lax.ragged_dot(x, w_kn, sizes, preferred_element_type=out_dtype)
+        return _xla_ragged_dot(x, w_kn, sizes, preferred_element_type=out_dtype)
     if M == 0 or N == 0 or K == 0:
         return jnp.zeros((M, N), out_dtype)  # an empty result, or a product over nothing
     return _kernel_mm(x, w, offsets.astype(jnp.int32), w_nk, out_dtype)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
-               preferred_element_type=None, group_offset: jax.Array | None = None) -> jax.Array:
+               preferred_element_type=None, group_offset: jax.Array | None = None, out_sharding=None) -> jax.Array:
     """``jax.lax.ragged_dot`` on the dropless kernels: ``out[s_g:t_g] = lhs[s_g:t_g] @ rhs[g]``.
 
     Args:
@@ -94,6 +96,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
             kernels it must be that dtype or float32.
         group_offset: not supported (raises NotImplementedError if given), as in the GPU lowering of
             ``jax.lax.ragged_dot``.
+        out_sharding: not supported (raises NotImplementedError if given); under ``shard_map`` each
+            device runs its own product.
     Returns:
         ``[M, N]``. Differentiable in lhs and rhs (``jax.grad``, ``jax.vjp``), usable under ``jax.jit``,
         ``jax.vmap`` (one kernel call per batch entry) and ``shard_map``.
@@ -101,6 +105,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
     del precision
     if group_offset is not None:
         raise NotImplementedError("group_offset is not supported by dropless.jax.ragged_dot")
+    if out_sharding is not None:
+        raise NotImplementedError("out_sharding is not supported by dropless.jax.ragged_dot; call it under shard_map")
     _check(lhs, rhs, False, group_sizes, "group_sizes")
     return _call(lhs, rhs, jnp.cumsum(group_sizes.astype(jnp.int32)), False, preferred_element_type)
 
