@@ -45,22 +45,31 @@ def test_unknown_backend():
 
 
 def test_backends_agree_and_reference_never_launches_kernels(monkeypatch):
-    """The reference backend runs no kernel; the Triton backend does (and they agree)."""
-    ops_module = importlib.import_module("dropless.ops.grouped_mm")  # the package re-exports a function of that name
+    """The reference backend runs no kernel; the Triton backend does for every form of grouped_mm (and
+    they agree)."""
+    forms_module = importlib.import_module("dropless.ops.grouped_forms")
     launches = []
-    original = ops_module.run_ragged_m
-    monkeypatch.setattr(ops_module, "run_ragged_m", lambda *a, **k: (launches.append(1), original(*a, **k)))
+
+    def recording(name, original):
+        return lambda *a, **k: (launches.append(name), original(*a, **k))
+
+    for name in ("run_ragged_m", "run_ragged_k"):
+        monkeypatch.setattr(forms_module, name, recording(name, getattr(forms_module, name)))
     device = torch.device("cuda" if CUDA else "cpu")
     x = torch.randn(20, 16, device=device)
     w = torch.randn(2, 16, 8, device=device)
     offsets = torch.tensor([7, 15], dtype=torch.int32, device=device)
+    calls = {"ragged_m": (x, w, offsets), "ragged_k": (x.t(), x, offsets), "ragged_n": (w, x[:8], offsets),
+             "batched": (w.transpose(1, 2), w, None)}
     dropless.set_backend("reference")
-    y_ref = dropless.grouped_mm(x, w, offsets)
+    y_ref = {form: dropless.grouped_mm(*args) for form, args in calls.items()}
     assert not launches
     dropless.set_backend("triton")
-    y = dropless.grouped_mm(x, w, offsets)
-    assert launches
-    assert_close(y, y_ref, torch.float32)
+    for form, args in calls.items():
+        launches.clear()
+        y = dropless.grouped_mm(*args)
+        assert launches == ["run_ragged_k" if form == "ragged_k" else "run_ragged_m"], form
+        assert_close(y, y_ref[form], torch.float32, form)
 
 
 @pytest.mark.skipif(CUDA, reason="without CUDA and without the interpreter there are no kernels")

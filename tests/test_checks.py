@@ -23,10 +23,12 @@ META = torch.device("meta")  # stands in for a second device
 
 # (name, error type, message pattern, callable building the bad call from good operands)
 GROUPED_MM_BAD = [
-    ("x rank 3", ValueError, r"^x must have 2 dimensions", lambda x, w, o: dropless.grouped_mm(x[None], w, o)),
-    ("x rank 1", ValueError, r"^x must have 2 dimensions", lambda x, w, o: dropless.grouped_mm(x[0], w, o)),
+    ("x rank 1", ValueError, r"^x must have 2 or 3 dimensions", lambda x, w, o: dropless.grouped_mm(x[0], w, o)),
+    ("x rank 4", ValueError, r"^x must have 2 or 3 dimensions",
+     lambda x, w, o: dropless.grouped_mm(x[None, None], w, o)),
     ("x int dtype", TypeError, r"^x must have dtype", lambda x, w, o: dropless.grouped_mm(x.long(), w.long(), o)),
-    ("w rank 2", ValueError, r"^w must have 3 dimensions", lambda x, w, o: dropless.grouped_mm(x, w[0], o)),
+    ("w rank 1", ValueError, r"^w must have 2 or 3 dimensions", lambda x, w, o: dropless.grouped_mm(x, w[0, 0], o)),
+    ("w rank 4", ValueError, r"^w must have 2 or 3 dimensions", lambda x, w, o: dropless.grouped_mm(x, w[None], o)),
     ("w dtype", TypeError, r"^w must have (x's )?dtype", lambda x, w, o: dropless.grouped_mm(x, w.double(), o)),
     ("w K", ValueError, r"^w must have shape \[E, K=8, N\]", lambda x, w, o: dropless.grouped_mm(x, w[:, :5], o)),
     ("w no experts", ValueError, r"^w must hold at least one expert",
@@ -58,6 +60,51 @@ GROUPED_MM_BAD = [
     ("neither", ValueError, r"exactly one of offsets .* and group_sizes", lambda x, w, o: dropless.grouped_mm(x, w)),
     ("offsets and offs", ValueError, r"offsets or its alias offs, not both",
      lambda x, w, o: dropless.grouped_mm(x, w, o, offs=o)),
+    ("out_dtype int", TypeError, r"^out_dtype must be one of .*got torch\.int32",
+     lambda x, w, o: dropless.grouped_mm(x, w, o, out_dtype=torch.int32)),
+    ("out_dtype str", TypeError, r"^out_dtype must be one of .*got 'bf16'",
+     lambda x, w, o: dropless.grouped_mm(x, w, o, out_dtype="bf16")),
+    # ragged K: x [M, K] and w [K, N], offsets split K
+    ("ragged K w rows", ValueError, r"^w must have shape \[K=8, N\] to match x \[M, K\], got \(5, 6\)",
+     lambda x, w, o: dropless.grouped_mm(x, w[0, :5], o)),
+    ("ragged K no offsets", ValueError, r"exactly one of offsets .* and group_sizes",
+     lambda x, w, o: dropless.grouped_mm(x, w[0])),
+    ("ragged K offsets rank", ValueError, r"^offsets must have shape \[E\] \(one entry per expert\), got \(1, 3\)",
+     lambda x, w, o: dropless.grouped_mm(x, w[0], o[None])),
+    ("ragged K offsets dtype", TypeError, r"^offsets must be int32 or int64",
+     lambda x, w, o: dropless.grouped_mm(x, w[0], o.float())),
+    ("ragged K w dtype", TypeError, r"^w must have x's dtype", lambda x, w, o: dropless.grouped_mm(x, w[0].half(), o)),
+    # ragged N: x [G, M, K] and w [K, N], offsets split N
+    ("ragged N w rows", ValueError, r"^w must have shape \[K=8, N\] to match x \[G, M, K\], got \(5, 6\)",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w[0, :5], o)),
+    ("ragged N offsets length", ValueError, r"^offsets must have shape \[E\] = \[3\]",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w[0], o[:2])),
+    ("ragged N no groups", ValueError, r"^x must hold at least one group",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K)[:0], w[0], o[:0])),
+    ("ragged N no offsets", ValueError, r"exactly one of offsets .* and group_sizes",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w[0])),
+    ("ragged N w device", ValueError, r"^w is on meta",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w[0].to(META), o)),
+    # batched: x [G, M, K] and w [G, K, N], no offsets
+    ("batched w groups", ValueError, r"^w must have shape \[G=1, K=8, N\] to match x \[G, M, K\], got \(3, 8, 6\)",
+     lambda x, w, o: dropless.grouped_mm(x[None], w)),
+    ("batched w K", ValueError, r"^w must have shape \[G=3, K=8, N\]",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w[:, :5])),
+    ("batched offsets", ValueError, r"^offsets must not be given with a 3d x and a 3d w",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w, o)),
+    ("batched offs", ValueError, r"^offs must not be given with a 3d x and a 3d w",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w, offs=o)),
+    ("batched group_sizes", ValueError, r"^group_sizes must not be given with a 3d x and a 3d w",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w, group_sizes=o)),
+    ("batched w dtype", TypeError, r"^w must have x's dtype",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w.half())),
+    # FP8 runs the ragged-M form only
+    ("recipe ragged K", ValueError, r"^recipe= \(FP8\) runs the ragged-M form only.*w of shape \(8, 6\)",
+     lambda x, w, o: dropless.grouped_mm(x, w[0], o, recipe="rowwise")),
+    ("recipe batched", ValueError, r"^recipe= \(FP8\) runs the ragged-M form only.*x of shape \(3, 4, 8\)",
+     lambda x, w, o: dropless.grouped_mm(x.view(E, 4, K), w, recipe="rowwise")),
+    ("recipe out_dtype", ValueError, r"^out_dtype cannot be given with recipe=",
+     lambda x, w, o: dropless.grouped_mm(x, w, o, recipe="rowwise", out_dtype=torch.float32)),
 ]
 
 
@@ -84,9 +131,12 @@ def test_grouped_mm_fp64_only_on_reference(backend):
     x, w, _, offsets = _operands(device, torch.float64)
     if name == "reference":
         assert dropless.grouped_mm(x, w, offsets).dtype == torch.float64
+        assert dropless.grouped_mm(x.float(), w.float(), offsets, out_dtype=torch.float64).dtype == torch.float64
     else:
         with pytest.raises(TypeError, match=r"^x must have dtype in .*float32.*got torch\.float64"):
             dropless.grouped_mm(x, w, offsets)
+        with pytest.raises(TypeError, match=r"^out_dtype must be one of .*float32.*got torch\.float64"):
+            dropless.grouped_mm(x.float(), w.float(), offsets, out_dtype=torch.float64)
 
 
 WGRAD_BAD = [
@@ -102,7 +152,7 @@ WGRAD_BAD = [
     ("dy device", ValueError, r"^dy is on meta", lambda x, dy, o, out: dropless.grouped_mm_wgrad(x, dy.to(META), o)),
     ("offsets dtype", TypeError, r"^offsets must be int32 or int64",
      lambda x, dy, o, out: dropless.grouped_mm_wgrad(x, dy, o.double())),
-    ("offsets rank", ValueError, r"^offsets must have shape \[E\]",
+    ("offsets rank", ValueError, r"^offsets must have shape \[E\] \(one entry per expert\), got \(1, 3\)",
      lambda x, dy, o, out: dropless.grouped_mm_wgrad(x, dy, o[None])),
     ("offsets device", ValueError, r"^offsets is on meta",
      lambda x, dy, o, out: dropless.grouped_mm_wgrad(x, dy, o.to(META))),
@@ -184,13 +234,24 @@ def test_validation_rejects_malformed_offsets(case, switch, monkeypatch):
         dropless.grouped_mm_wgrad(x, dy, bad, out=torch.zeros(E, K, N), accumulate=True)
 
 
+def test_validation_names_the_split_dim():
+    """Offsets split K in the ragged-K form and N in the ragged-N form: the assertion bounds them by that."""
+    dropless.set_backend("reference")
+    dropless.set_validation(True)
+    x, w, _, _ = _operands()
+    with pytest.raises(RuntimeError, match=r"offsets must be non-decreasing and within \[0, K=8\]"):
+        dropless.grouped_mm(x, w[0], torch.tensor([2, 4, K + 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"offsets must be non-decreasing and within \[0, N=6\]"):
+        dropless.grouped_mm(x.view(E, 4, K), w[0], torch.tensor([5, 3, 6], dtype=torch.int32))
+
+
 def test_validation_rejects_negative_group_sizes():
     dropless.set_validation(True)
     x, w, _, _ = _operands()
     with pytest.raises(RuntimeError, match="non-decreasing"):
         dropless.grouped_mm(x, w, group_sizes=torch.tensor([4, -2, 3]))
     with pytest.raises(RuntimeError, match="non-decreasing"):
-        dropless.GroupedLinear(E, K, N)(x, [4, -2, 3])
+        dropless.GroupedLinear(E, K, N)(x, torch.tensor([4, -2, 3]))
 
 
 def test_validation_accepts_good_offsets(backend):

@@ -69,6 +69,28 @@ def test_grouped_mm_direct_matches_custom_op(backend, wgrad_layout):
     assert torch.count_nonzero(y_direct[-3:]) == 0 and torch.count_nonzero(dx_direct[-3:]) == 0
 
 
+@pytest.mark.parametrize("op", ["grouped_mm_ragged_k", "grouped_mm_ragged_n"])
+def test_ragged_forms_direct_match_custom_ops(backend, op):
+    """The ragged-K and ragged-N forms of dropless.grouped_mm: values and gradients of the eager path
+    equal those of their custom ops, bit for bit."""
+    name, device = backend
+    dtype = torch.float32 if name == "triton" else torch.float64
+    sizes = random_group_sizes(3, 20)
+    offsets = offsets_of(sizes, device)
+    split = sum(sizes) + 2  # two past the last offset
+    shapes = ((7, split), (split, 5)) if op == "grouped_mm_ragged_k" else ((3, 7, 5), (5, split))
+    a, b = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for shape in shapes)
+    y_direct = dropless.grouped_mm(a, b, offsets)
+    assert _grad_fn_name(y_direct).startswith(f"Direct_dropless_{op}")
+    y_op = getattr(torch.ops.dropless, op)(a, b, offsets)
+    assert not _grad_fn_name(y_op).startswith("Direct_")
+    dy = torch.randn_like(y_direct)
+    assert torch.equal(y_direct, y_op)
+    for what, g_direct, g_op in zip(("da", "db"), torch.autograd.grad(y_direct, (a, b), dy),
+                                    torch.autograd.grad(y_op, (a, b), dy)):
+        assert torch.equal(g_direct, g_op), what
+
+
 def test_grouped_mm_without_grad_runs_no_graph(reference_backend):
     x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 4, 3, dtype=torch.float64)

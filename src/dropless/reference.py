@@ -31,12 +31,13 @@ def group_rows(offsets: torch.Tensor, M: int) -> list[tuple[int, int, int]]:
             for e, (start, end) in enumerate(group_bounds(offsets, M))]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Ragged-M grouped GEMM: ``y[s_e:t_e] = x[s_e:t_e] @ w[e]``.
 
     x: ``[M, K]``, w: ``[E, K, N]`` (any strides), offsets: int ``[E]`` cumulative group ends.
-    Returns ``y [M, N]`` in ``x.dtype``; rows past ``offsets[-1]`` are zero. Products accumulate
-    in at least fp32.
+    Returns ``y [M, N]`` in ``out_dtype`` (default ``x.dtype``); rows past ``offsets[-1]`` are zero.
+    Products accumulate in at least fp32.
     """
     M, N = x.shape[0], w.shape[2]
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -44,7 +45,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     for e, (start, end) in enumerate(group_bounds(offsets, M)):
         if end > start:
             y[start:end] = x[start:end].to(acc_dtype) @ w[e].to(acc_dtype)
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
+
+
+def grouped_mm_ragged_n(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Ragged-N grouped GEMM: ``y[:, s_g:t_g] = a[g] @ b[:, s_g:t_g]``, the transpose of a ragged-M one.
+
+    a: ``[G, M, K]``, b: ``[K, N]`` (any strides), offsets: int ``[G]`` cumulative ends of column groups.
+    Returns a contiguous ``y [M, N]`` in ``out_dtype`` (default ``a.dtype``); columns past ``offsets[-1]``
+    are zero.
+    """
+    return grouped_mm(b.t(), a.transpose(1, 2), offsets, out_dtype).t().contiguous()
 
 
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,12 @@ def check_tensor(name: str, t: object) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_matrix(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_matrix(name: str, t: torch.Tensor, ndim: int | tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    """``t`` is a tensor of ``ndim`` dimensions (or of one of the counts in a tuple) and one of ``dtypes``."""
     check_tensor(name, t)
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    ndims = ndim if isinstance(ndim, tuple) else (ndim,)
+    if t.dim() not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
@@ -48,14 +50,16 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
 
 def resolve_offsets(offsets: torch.Tensor | None, group_sizes: torch.Tensor | None, E: int,
                     device: torch.device) -> torch.Tensor:
-    """int32 ``[E]`` cumulative group ends on ``device``, from ``offsets`` or ``group_sizes``."""
+    """int32 ``[E]`` cumulative group ends on ``device``, from ``offsets`` or ``group_sizes`` (E < 0: as
+    many as they hold)."""
     if (offsets is None) == (group_sizes is None):
         raise ValueError("pass exactly one of offsets (cumulative group ends) and group_sizes")
     name, t = ("offsets", offsets) if offsets is not None else ("group_sizes", group_sizes)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor on the operands' device, got {type(t).__name__}")
-    if t.dim() != 1 or t.shape[0] != E:
-        raise ValueError(f"{name} must have shape [E] = [{E}] (one entry per expert), got {tuple(t.shape)}")
+    if t.dim() != 1 or (E >= 0 and t.shape[0] != E):
+        expected = f"[E] = [{E}]" if E >= 0 else "[E]"
+        raise ValueError(f"{name} must have shape {expected} (one entry per expert), got {tuple(t.shape)}")
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
     check_same_device(device, **{name: t})
@@ -64,9 +68,10 @@ def resolve_offsets(offsets: torch.Tensor | None, group_sizes: torch.Tensor | No
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def validate_offsets(offsets: torch.Tensor, M: int) -> None:
-    """Device-side assertion that offsets are non-decreasing and within ``[0, M]`` (when enabled)."""
+def validate_offsets(offsets: torch.Tensor, M: int, dim: str = "M") -> None:
+    """Device-side assertion that offsets are non-decreasing and within ``[0, M]`` (when enabled);
+    ``dim`` names the dimension they split in the message."""
     if not validation_enabled() or offsets.numel() == 0:
         return
     ok = (offsets[0] >= 0) & (offsets[-1] <= M) & (offsets[1:] >= offsets[:-1]).all()
-    torch._assert_async(ok, f"offsets must be non-decreasing and within [0, M={M}]")
+    torch._assert_async(ok, f"offsets must be non-decreasing and within [0, {dim}={M}]")

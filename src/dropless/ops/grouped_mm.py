@@ -1,8 +1,10 @@
-"""Grouped GEMM ops: ``grouped_mm`` (ragged M, differentiable) and ``grouped_mm_wgrad`` (ragged K).
+"""Grouped GEMM API: ``grouped_mm`` (the four forms of ``torch._grouped_mm``, differentiable) and
+``grouped_mm_wgrad`` (ragged K, into a new tensor or written or accumulated into ``out``).
 
-Both are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces through
-them; eager calls on plain tensors run the same implementations without the dispatcher
-(``ops.direct``). Neither reads the group boundaries on the host when it runs on the Triton backend.
+The products are ``torch.library`` custom ops with fake implementations (``ops.grouped_forms`` and
+``grouped_mm_wgrad_into`` here), so ``torch.compile`` traces through them; eager calls on plain tensors
+run the same implementations without the dispatcher (``ops.direct``). None reads the group boundaries
+on the host when it runs on the Triton backend. This module checks the arguments and picks the op.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ import torch
 
 from dropless import reference
 from dropless.backend import use_triton
-from dropless.kernels.launch import weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
-from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from dropless.ops.autocast import autocast_operands
 from dropless.ops.checks import (
     REFERENCE_DTYPES,
@@ -25,30 +25,9 @@ from dropless.ops.checks import (
     validate_offsets,
 )
 from dropless.ops.direct import DirectOp
+from dropless.ops.grouped_forms import RAGGED_K, RAGGED_M, RAGGED_N, batched_mm, launch_ragged_k
 from dropless.ops.grouped_mm_fp8 import fp8_grouped_mm, fp8_grouped_mm_wgrad, resolve_recipe
 from dropless.quantized import QuantizedTensor, Recipe
-
-
-def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    if not use_triton(x.device):
-        return reference.grouped_mm(x, w, offsets)
-    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
-    if x.shape[1] == 0:
-        y.zero_()
-    elif y.numel() > 0:
-        run_ragged_m(x, w, offsets, y)
-    return y
-
-
-def _wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """``dw [E, K, N]`` in x's dtype, or its transpose ``[E, N, K]`` (contiguous) if ``transposed``."""
-    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
-    if not use_triton(x.device):
-        dw = reference.grouped_mm_wgrad(x, dy, offsets).to(x.dtype)
-        return dw.transpose(1, 2).contiguous() if transposed else dw
-    dw = torch.empty((E, N, K) if transposed else (E, K, N), dtype=x.dtype, device=x.device)
-    _launch_wgrad(x, dy, offsets, dw.transpose(1, 2) if transposed else dw, NO_ACCUMULATE, None)
-    return dw
 
 
 def _wgrad_into(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
@@ -58,30 +37,7 @@ def _wgrad_into(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: t
         reference.accumulate_into(out, dw, flags if flags is not None else accumulate)
         return
     mode = ACCUMULATE_FLAGGED if flags is not None else ACCUMULATE_ALL if accumulate else NO_ACCUMULATE
-    _launch_wgrad(x, dy, offsets, out, mode, flags)
-
-
-def _launch_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-                  mode: int, flags: torch.Tensor | None) -> None:
-    if out.numel() == 0:
-        return
-    if x.shape[0] == 0:
-        # No rows at all: every group is empty.
-        if mode == NO_ACCUMULATE:
-            out.zero_()
-        elif mode == ACCUMULATE_FLAGGED:
-            out.masked_fill_(~flags.view(-1, 1, 1), 0)
-        return
-    run_ragged_k(x, dy, offsets, out, mode, flags)
-
-
-def _forward_fake(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-def _wgrad_fake(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    E, K, N = offsets.shape[0], x.shape[1], dy.shape[1]
-    return x.new_empty((E, N, K) if transposed else (E, K, N))
+    launch_ragged_k(x, dy, offsets, out, mode, flags)
 
 
 def _wgrad_into_fake(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
@@ -89,74 +45,115 @@ def _wgrad_into_fake(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, o
     return None
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, w, offsets = inputs
-    ctx.save_for_backward(x, w, offsets)
-
-
-def _backward(ctx, dy: torch.Tensor):
-    x, w, offsets = ctx.saved_tensors
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        dx = _GROUPED_MM(dy, w.transpose(1, 2), offsets)
-    if ctx.needs_input_grad[1]:
-        # Give dw the layout of w: nn.Linear-layout weights viewed as [E, K, N] get [E, N, K] storage.
-        transposed = weight_nk(w)
-        dw = _WGRAD(x, dy, offsets, transposed)
-        dw = dw.transpose(1, 2) if transposed else dw
-    return dx, dw, None
-
-
-_GROUPED_MM = DirectOp.define("grouped_mm", _forward, _forward_fake, backward=_backward,
-                             setup_context=_setup_context)
-_WGRAD = DirectOp.define("grouped_mm_wgrad", _wgrad, _wgrad_fake)
 _WGRAD_INTO = DirectOp.define("grouped_mm_wgrad_into", _wgrad_into, _wgrad_into_fake, mutates_args=("out",))
 
 
-def _check_operands(x: torch.Tensor, name: str, other: torch.Tensor, other_ndim: int) -> None:
-    """x is a matrix and ``other`` a tensor of ``other_ndim`` dims, of one dtype the backend takes,
-    on one device."""
+def _check_operands(x: torch.Tensor, x_ndim: int | tuple[int, ...], name: str, other: torch.Tensor,
+                    other_ndim: int | tuple[int, ...]) -> tuple[torch.dtype, ...]:
+    """x and ``other`` are tensors of the given numbers of dims, of one dtype the backend takes, on one
+    device; returns the dtypes the backend takes."""
     check_tensor("x", x)
     dtypes = TRITON_DTYPES if use_triton(x.device) else REFERENCE_DTYPES
-    check_matrix("x", x, 2, dtypes)
+    check_matrix("x", x, x_ndim, dtypes)
     check_matrix(name, other, other_ndim, dtypes)
     if other.dtype != x.dtype:
         raise TypeError(f"{name} must have x's dtype {x.dtype}, got {other.dtype}")
     check_same_device(x.device, **{name: other})
+    return dtypes
+
+
+def _groups(offsets: object, group_sizes: object) -> int:
+    """The number of groups that ``offsets`` or ``group_sizes`` give, -1 if neither is a 1D tensor
+    (``resolve_offsets`` then names what is wrong)."""
+    source = offsets if offsets is not None else group_sizes
+    return source.shape[0] if isinstance(source, torch.Tensor) and source.dim() == 1 else -1
+
+
+def _check_form(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, str]:
+    """Check that w fits x in their form; returns ``(G, S, dim)``: the number of groups (-1: as many as
+    offsets hold), and the size S and name of the dim the offsets split."""
+    if x.dim() == 2 and w.dim() == 3:
+        if w.shape[1] != x.shape[1]:
+            raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(w.shape)}")
+        if w.shape[0] == 0:
+            raise ValueError("w must hold at least one expert (E >= 1)")
+        return w.shape[0], x.shape[0], "M"
+    if w.shape[0] != x.shape[-1]:
+        x_shape = "[M, K]" if x.dim() == 2 else "[G, M, K]"
+        raise ValueError(f"w must have shape [K={x.shape[-1]}, N] to match x {x_shape}, got {tuple(w.shape)}")
+    if x.dim() == 2:
+        return -1, x.shape[1], "K"
+    if x.shape[0] == 0:
+        raise ValueError("x must hold at least one group (G >= 1)")
+    return x.shape[0], w.shape[1], "N"
+
+
+def _check_batched(x: torch.Tensor, w: torch.Tensor, **offsets: object) -> None:
+    """The 3d/3d form: w ``[G, K, N]`` fits x ``[G, M, K]``, and no offsets are given."""
+    G, _, K = x.shape
+    if w.shape[0] != G or w.shape[1] != K:
+        raise ValueError(f"w must have shape [G={G}, K={K}, N] to match x [G, M, K], got {tuple(w.shape)}")
+    for name, value in offsets.items():
+        if value is not None:
+            raise ValueError(f"{name} must not be given with a 3d x and a 3d w (the batched form, "
+                             "out[g] = x[g] @ w[g], has no groups to split)")
 
 
 def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTensor,
                offsets: torch.Tensor | None = None, *, group_sizes: torch.Tensor | None = None,
                offs: torch.Tensor | None = None, recipe: str | Recipe | None = None,
-               w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None) -> torch.Tensor:
-    """Grouped GEMM over row groups: ``y[s_e:t_e] = x[s_e:t_e] @ w[e]``.
+               w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Grouped GEMM in the four forms of ``torch._grouped_mm``, a drop-in for it.
+
+    With ``s_g = offsets[g-1]`` (0 for g = 0) and ``t_g = offsets[g]``:
+
+    - x ``[M, K]``, w ``[E, K, N]`` (ragged M, the MoE forward): ``y[s_e:t_e] = x[s_e:t_e] @ w[e]``,
+      ``y [M, N]``; rows past ``offsets[-1]`` are zero.
+    - x ``[M, K]``, w ``[K, N]`` (ragged K, the weight-gradient form): offsets split K,
+      ``y[g] = x[:, s_g:t_g] @ w[s_g:t_g]``, ``y [G, M, N]``; K past ``offsets[-1]`` is left out.
+    - x ``[G, M, K]``, w ``[K, N]`` (ragged N): offsets split N, ``y[:, s_g:t_g] = x[g] @ w[:, s_g:t_g]``,
+      ``y [M, N]``; columns past ``offsets[-1]`` are zero.
+    - x ``[G, M, K]``, w ``[G, K, N]`` (batched, no offsets): ``y[g] = x[g] @ w[g]``, ``y [G, M, N]``.
+
+    ``dropless.ops.grouped_forms`` says which kernel runs each form (all on views of the operands) and
+    how the gradients of each form are other forms.
 
     Args:
-        x: ``[M, K]`` rows sorted by group; bf16, fp16 or fp32 (fp64 on the reference backend).
-        w: ``[E, K, N]``, same dtype, any strides (``weight.transpose(1, 2)`` of nn.Linear-layout
-            ``[E, N, K]`` weights works without a copy).
-        offsets: int32/int64 ``[E]`` cumulative group ends on x's device (``offs`` is an alias, as
-            in ``torch._grouped_mm``); or give ``group_sizes [E]`` instead.
-        recipe: run in FP8 (``"rowwise"``, ``"block128"`` or ``"mxfp8"``, or a ``dropless.Recipe``):
-            x, w, and in the backward dy, are quantized (``dropless.quantize``), multiplied on FP8
-            tensor cores with fp32 accumulation, and y comes out in x's dtype. x and w may also be
-            given as ``QuantizedTensor`` (x along K, w ``[E, K, N]`` along K): a forward product only,
-            bf16 out, recipe taken from them if not given.
+        x, w: bf16, fp16 or fp32 (fp64 on the reference backend), one dtype, any strides
+            (``weight.transpose(1, 2)`` of nn.Linear-layout ``[E, N, K]`` weights works without a copy).
+        offsets: int32/int64 ``[G]`` cumulative group ends on x's device (``offs`` is an alias, as in
+            ``torch._grouped_mm``); or give ``group_sizes [G]`` instead. Not for the batched form.
+        out_dtype: y's dtype (default x's), any the backend takes: e.g. bf16 operands with an fp32 y
+            straight from the fp32 accumulator. The gradients come in the operands' dtypes (dy is cast
+            to it first).
+        recipe: run in FP8 (ragged M only; ``"rowwise"``, ``"block128"`` or ``"mxfp8"``, or a
+            ``dropless.Recipe``): x, w, and in the backward dy, are quantized (``dropless.quantize``),
+            multiplied on FP8 tensor cores with fp32 accumulation, and y comes out in x's dtype. x and w
+            may also be given as ``QuantizedTensor`` (x along K, w ``[E, K, N]`` along K): a forward
+            product only, bf16 out, recipe taken from them if not given.
         w_quantized: with a recipe, ``dropless.quantize_weight(w, recipe)``'s pair, kept by the caller
             while w is unchanged, so the weight is not quantized again on every call.
     Returns:
-        ``y [M, N]`` in x's dtype. Rows past ``offsets[-1]`` are zero. Differentiable in x and w.
-        Under ``torch.autocast`` x and w are first cast to its dtype, as ``nn.Linear``'s operands are
-        (in FP8, the quantization reads them as they are).
+        y, a new contiguous tensor, differentiable in x and w (the rows, columns or stretch of K past
+        ``offsets[-1]`` get zero gradients). Under ``torch.autocast`` x and w are first cast to its
+        dtype, as ``nn.Linear``'s operands are (in FP8, the quantization reads them as they are).
 
-    No host sync on the Triton backend: the kernel derives its tiles from ``offsets`` on the device,
+    No host sync on the Triton backend: the kernels derive their tiles from ``offsets`` on the device,
     so the call can be captured in a CUDA graph.
     """
+    offsets_name = "offs" if offs is not None else "offsets"
     if offs is not None:
         if offsets is not None:
             raise ValueError("pass offsets or its alias offs, not both")
         offsets = offs
     if recipe is not None or isinstance(x, QuantizedTensor) or isinstance(w, QuantizedTensor):
+        if out_dtype is not None:
+            raise ValueError("out_dtype cannot be given with recipe= (FP8 products come out in x's dtype)")
+        operands = (torch.Tensor, QuantizedTensor)
+        if isinstance(x, operands) and isinstance(w, operands) and (len(x.shape), len(w.shape)) != (2, 3):
+            raise ValueError(f"recipe= (FP8) runs the ragged-M form only, x [M, K] and w [E, K, N]; got x of "
+                             f"shape {tuple(x.shape)} and w of shape {tuple(w.shape)}")
         recipe = resolve_recipe(recipe, x, w)
         _check_fp8_operands(x, "w", w, 3)
         offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
@@ -165,14 +162,19 @@ def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTen
     if w_quantized is not None:
         raise ValueError("w_quantized needs recipe= (it is the FP8 copy of w)")
     x, w = autocast_operands(x, w)
-    _check_operands(x, "w", w, 3)
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(w.shape)}")
-    if w.shape[0] == 0:
-        raise ValueError("w must hold at least one expert (E >= 1)")
-    offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
-    validate_offsets(offsets, x.shape[0])
-    return _GROUPED_MM(x, w, offsets)
+    dtypes = _check_operands(x, (2, 3), "w", w, (2, 3))
+    if out_dtype is not None and out_dtype not in dtypes:
+        raise TypeError(f"out_dtype must be one of {[str(d) for d in dtypes]} (or None: x's dtype), got {out_dtype!r}")
+    if x.dim() == 3 and w.dim() == 3:
+        _check_batched(x, w, **{offsets_name: offsets, "group_sizes": group_sizes})
+        return batched_mm(x, w, out_dtype)
+    G, size, dim = _check_form(x, w)
+    if G < 0:
+        G = _groups(offsets, group_sizes)
+    offsets = resolve_offsets(offsets, group_sizes, G, x.device)
+    validate_offsets(offsets, size, dim)
+    op = RAGGED_M if w.dim() == 3 else RAGGED_K if x.dim() == 2 else RAGGED_N
+    return op(x, w, offsets, out_dtype)
 
 
 def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | QuantizedTensor,
@@ -200,19 +202,20 @@ def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | Quant
         recipe = resolve_recipe(recipe, x, dy)
         _check_fp8_operands(x, "dy", dy, 2)
     else:
-        _check_operands(x, "dy", dy, 2)
+        _check_operands(x, 2, "dy", dy, 2)
     M = _rows(x)
     if _rows(dy) != M:
         raise ValueError(f"dy must have x's number of rows M={M}, got {_rows(dy)} (shape {tuple(dy.shape)})")
-    source = offsets if offsets is not None else group_sizes
-    E = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() == 1 else -1
+    E = _groups(offsets, group_sizes)
     offsets = resolve_offsets(offsets, group_sizes, E, x.device)
     validate_offsets(offsets, M)
     K, N = x.shape[1], dy.shape[1]
     if out is None:
         if accumulate is not False:
             raise ValueError("accumulate needs out= (the tensor to accumulate into)")
-        return fp8_grouped_mm_wgrad(x, dy, offsets, recipe, None, None, False) if fp8 else _WGRAD(x, dy, offsets, False)
+        if fp8:
+            return fp8_grouped_mm_wgrad(x, dy, offsets, recipe, None, None, False)
+        return RAGGED_K(x.t(), dy, offsets, None)
     check_matrix("out", out, 3, (x.dtype if isinstance(x, torch.Tensor) else torch.bfloat16, torch.float32))
     if tuple(out.shape) != (E, K, N):
         raise ValueError(f"out must have shape [E, K, N] = [{E}, {K}, {N}], got {tuple(out.shape)}")
