@@ -214,6 +214,43 @@ def test_bad_arguments():
         layer(torch.randn(6, 7), [1, 2, 3])
 
 
+HOST_SIZES_BAD = [
+    ("too many rows", [1, 4, 2], r"^group_sizes sum to 7, more than the M=6 rows of x \(got \[1, 4, 2\]\)"),
+    ("too many rows, a tuple", (0, 0, 9), r"^group_sizes sum to 9, more than the M=6 rows of x"),
+    ("too few sizes", [1, 2], r"^group_sizes must have shape \[E\] = \[3\] \(one size per expert\), got \(2,\)"),
+    ("too many sizes", [1, 2, 0, 0], r"^group_sizes must have shape \[E\] = \[3\] .*got \(4,\)"),
+    ("negative", [4, -2, 3], r"^group_sizes must not be negative, got \[4, -2, 3\]"),
+]
+
+
+@pytest.mark.parametrize("name, sizes, pattern", HOST_SIZES_BAD, ids=[c[0] for c in HOST_SIZES_BAD])
+def test_host_group_sizes_are_checked(name, sizes, pattern, backend):
+    """Sizes given as a host list cost no sync to check: more rows than x holds, a wrong count or a negative
+    size is a ValueError before anything runs (fused wgrad accumulation included: main_grad is untouched)."""
+    _, device = backend
+    layer = GroupedLinear(3, 4, 5, fuse_wgrad_accumulation=True, device=device)
+    layer.weight.main_grad.fill_(2.0)
+    with pytest.raises(ValueError, match=pattern):
+        layer(torch.randn(6, 4, device=device), sizes).sum().backward()
+    assert bool((layer.weight.main_grad == 2.0).all())
+
+
+def test_host_group_sizes_may_leave_rows(backend):
+    """Fewer sizes than rows is allowed: the rows past their sum give zeros."""
+    _, device = backend
+    layer = GroupedLinear(3, 4, 5, device=device)
+    y = layer(torch.randn(6, 4, device=device), [1, 0, 3])
+    assert y.shape == (6, 5) and bool((y[4:] == 0).all()) and bool(torch.isfinite(y).all())
+
+
+def test_x_must_be_a_matrix():
+    layer = GroupedLinear(3, 4, 5)
+    with pytest.raises(ValueError, match=r"^x must be a tensor of shape \[M, in_features=4\], got \(2, 3, 4\)"):
+        layer(torch.randn(2, 3, 4), [1, 1, 1])
+    with pytest.raises(ValueError, match=r"^x must be a tensor of shape \[M, in_features=4\], got list"):
+        layer([[0.0] * 4], [1, 0, 0])
+
+
 def test_reset_parameters_is_nn_linear_init():
     layer = GroupedLinear(64, 50, 40, bias=True)
     bound = 50 ** -0.5

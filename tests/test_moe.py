@@ -122,6 +122,12 @@ def test_moe_rejects_bad_input(reference_backend):
         MoE(8, 8, 4, 1)(torch.randn(3, 7))
 
 
+@pytest.mark.parametrize("top_k", [0, -1, 5])
+def test_moe_rejects_bad_top_k_at_construction(top_k):
+    with pytest.raises(ValueError, match=rf"^top_k must be in \[1, num_experts=4\], got {top_k}$"):
+        MoE(8, 8, 4, top_k)
+
+
 @pytest.mark.slow
 def test_moe_compiles_fullgraph(reference_backend):
     torch._dynamo.reset()

@@ -116,6 +116,18 @@ def test_route_rejects_bad_top_k(top_k):
         route(torch.randn(4, 8), top_k)
 
 
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"top_k": 0}, r"^top_k must be in \[1, num_experts=8\], got 0$"),
+    ({"top_k": 9}, r"^top_k must be in \[1, num_experts=8\], got 9$"),
+    ({"num_experts": 0, "top_k": 1}, r"^num_experts must be at least 1, got 0$"),
+    ({"score_func": "relu"}, r"^score_func must be one of \('softmax', 'sigmoid'\), got 'relu'$"),
+])
+def test_router_module_rejects_bad_options_at_construction(kwargs, pattern):
+    options = {"num_experts": 8, "top_k": 2, **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        TopKRouter(16, options.pop("num_experts"), options.pop("top_k"), **options)
+
+
 def test_router_module_counts_and_bias_update():
     torch.manual_seed(0)
     router = TopKRouter(16, 8, 2, score_func="sigmoid", expert_bias=True, bias_update_rate=0.01)

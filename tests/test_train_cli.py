@@ -102,6 +102,31 @@ def test_rejects_a_step_count_below_one(capsys):
     assert "must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lr, message", [
+    ("nan", "must be a positive finite number, got nan"), ("inf", "must be a positive finite number, got inf"),
+    ("-1e-3", "must be a positive finite number, got -1e-3"), ("0", "must be a positive finite number, got 0"),
+    ("fast", "must be a number, got 'fast'"),
+])
+def test_rejects_a_bad_learning_rate(lr, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", f"--lr={lr}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --lr: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where, message", [("under_a_file", "cannot create the folder (Not a directory)"),
+                                            ("a_file", "is a file, not a folder")])
+def test_out_that_cannot_be_a_folder(where, message, tmp_path, capsys):
+    text = random_text(tmp_path / "text.txt", 200)
+    out = text / "run" if where == "under_a_file" else text
+    assert main(["train", "--data", str(text), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                 "--out", str(out), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --out {out}: {message}\n"
+    assert "preset" not in captured.out  # refused before the run starts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_train_then_generate_on_the_gpu(tmp_path, capsys):

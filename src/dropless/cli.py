@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +46,29 @@ def _positive(text: str) -> int:
     return value
 
 
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _make_out_dir(path: Path) -> None:
+    """Create ``--out`` (and its parents) before training, so a folder that cannot hold the results is
+    reported now, in one line, rather than as a traceback when the first file is written."""
+    if path.exists() and not path.is_dir():
+        raise TrainError(f"--out {path}: is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrainError(f"--out {path}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TrainError(f"--out {path}: cannot write in the folder")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dropless", description="Train a small MoE language model out of the "
                                      "box (dropless train) and sample text from it (dropless generate).")
@@ -62,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=_positive, help="optimizer steps (the length of the cosine schedule)")
     train.add_argument("--batch-size", type=_positive, help="sequences per step and per process")
     train.add_argument("--seq-len", type=_positive, help="tokens (bytes) per sequence")
-    train.add_argument("--lr", type=float, help="peak learning rate")
+    train.add_argument("--lr", type=_learning_rate, help="peak learning rate")
     train.add_argument("--seed", type=int, help="seed of the initialization and of the batches")
     train.add_argument("--expert-bias", action="store_true",
                        help="add DeepSeek-V3's auxiliary-loss-free balancing (a routing bias nudged every step)")
@@ -112,10 +137,12 @@ def _train(args: argparse.Namespace) -> int:
         check_fits(preset.name, model_config, train_config.batch_size, train_config.seq_len, free,
                    torch.cuda.get_device_name(device))
     corpus = load_corpus(args.data, train_config.seq_len)
+    out_dir = args.out or Path("runs") / preset.name
+    _make_out_dir(out_dir)
     distributed.start(ranks, device)
     try:
-        trainer = Trainer(preset.name, model_config, train_config, corpus, args.out or Path("runs") / preset.name,
-                          device, ranks, resume=args.resume, compile=args.compile, ep=args.ep)
+        trainer = Trainer(preset.name, model_config, train_config, corpus, out_dir, device, ranks,
+                          resume=args.resume, compile=args.compile, ep=args.ep)
         if ranks.is_main:
             print(trainer.describe(), flush=True)
         summary = trainer.run()

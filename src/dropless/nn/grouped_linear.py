@@ -149,7 +149,9 @@ class GroupedLinear(nn.Module):
         Args:
             x: ``[M, in_features]``, rows sorted by expert.
             group_sizes: rows per expert, ``[E]``: a list of ints, a CPU tensor, or a tensor on x's
-                device (no host sync). Rows past their sum give zero output.
+                device (no host sync). Rows past their sum give zero output. Sizes given on the host
+                as a list (or any sequence) are checked, which costs no sync: E of them, none negative,
+                summing to at most M (ValueError otherwise); tensors are not read.
             wgrad_accumulation_mask: with ``fuse_wgrad_accumulation``, an optional bool ``[E]``
                 tensor on x's device: experts marked True add their gradient into ``main_grad``,
                 the others overwrite it (the first micro-batch of a step). Default: all add.
@@ -162,7 +164,10 @@ class GroupedLinear(nn.Module):
         Returns:
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
-        offsets = self._offsets(group_sizes, x.device)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a tensor of shape [M, in_features={self.in_features}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        offsets = self._offsets(group_sizes, x)
         if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
             raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
         fused = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
@@ -214,11 +219,21 @@ class GroupedLinear(nn.Module):
             self.weight.grad_added_to_main_grad = True
         return y
 
-    def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """int32 ``[E]`` cumulative ends of ``group_sizes`` on x's device; sizes given on the host as a
+        sequence are checked against x's rows here (tensors are left to the device-side validation)."""
         sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
         if sizes.shape != (self.num_experts,):
-            raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}], got {tuple(sizes.shape)}")
-        return torch.cumsum(sizes.to(device, non_blocking=True), 0).to(torch.int32)
+            raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}] (one size per expert), got "
+                             f"{tuple(sizes.shape)}")
+        if not isinstance(group_sizes, torch.Tensor):
+            values = [int(size) for size in group_sizes]  # host values: no sync
+            if min(values) < 0:
+                raise ValueError(f"group_sizes must not be negative, got {values}")
+            if sum(values) > x.shape[0]:
+                raise ValueError(f"group_sizes sum to {sum(values)}, more than the M={x.shape[0]} rows of x "
+                                 f"(got {values})")
+        return torch.cumsum(sizes.to(x.device, non_blocking=True), 0).to(torch.int32)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

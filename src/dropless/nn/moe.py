@@ -47,7 +47,7 @@ class MoE(nn.Module):
 
     Args:
         d_model, d_ff: model width and each expert's hidden width.
-        num_experts, top_k: E experts, k per token.
+        num_experts, top_k: E experts, k per token (``1 <= k <= E``; ValueError at construction otherwise).
         score_func, renormalize, n_groups, topk_groups, routed_scaling: routing options, see
             ``dropless.ops.routing.route`` (``routed_scaling`` is its ``scale``).
         expert_bias, bias_update_rate: DeepSeek-V3's auxiliary-loss-free balancing; call

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dropless.ops.router_logits import router_logits
-from dropless.ops.routing import Routing, route
+from dropless.ops.routing import SCORE_FUNCS, Routing, route
 
 
 class TopKRouter(nn.Module):
@@ -27,6 +27,12 @@ class TopKRouter(nn.Module):
                  expert_bias: bool = False, bias_update_rate: float = 1e-3, scale: float = 1.0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
