@@ -1,8 +1,7 @@
 """Grouped GEMM in JAX: ``ragged_dot`` (``jax.lax.ragged_dot``'s drop-in) and ``grouped_mm`` (the
 PyTorch op's options), differentiable through a ``jax.custom_vjp`` whose forward and input gradient run
-the ragged-M kernel and whose weight gradient runs the ragged-K kernel.
-
-On the reference backend both call ``jax.lax.ragged_dot`` and take XLA's gradient.
+the ragged-M kernel and whose weight gradient runs the ragged-K kernel (``kernel_calls``), or their
+plain-JAX versions on the reference backend (``reference``).
 """
 
 from __future__ import annotations
@@ -13,35 +12,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.jax import kernel_calls
+from dropless.jax import kernel_calls, reference
 from dropless.jax.backend import use_kernels
 
-# XLA's own op, bound once: ``replace_ragged_dot`` may point ``jax.lax.ragged_dot`` at ``ragged_dot`` below.
-_xla_ragged_dot = jax.lax.ragged_dot
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REFERENCE_DTYPES = (*KERNEL_DTYPES, jnp.float64)
 
 
+def _products():
+    """The module whose ``ragged_m`` and ``ragged_k`` run the products traced now."""
+    return kernel_calls if use_kernels() else reference
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _kernel_mm(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dtype: np.dtype) -> jax.Array:
-    return kernel_calls.ragged_m(x, w, offsets, w_nk, out_dtype)
+def _mm(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dtype: np.dtype) -> jax.Array:
+    return _products().ragged_m(x, w, offsets, w_nk, out_dtype)
 
 
-def _kernel_mm_fwd(x, w, offsets, w_nk, out_dtype):
-    return _kernel_mm(x, w, offsets, w_nk, out_dtype), (x, w, offsets)
+def _mm_fwd(x, w, offsets, w_nk, out_dtype):
+    return _mm(x, w, offsets, w_nk, out_dtype), (x, w, offsets)
 
 
-def _kernel_mm_bwd(w_nk, out_dtype, saved, dy):
+def _mm_bwd(w_nk, out_dtype, saved, dy):
     x, w, offsets = saved
+    products = _products()
     # The gradient is taken in the operands' dtype (an fp32 result of 16-bit operands comes back in it).
     dy = dy.astype(x.dtype)
-    dx = kernel_calls.ragged_m(dy, w, offsets, not w_nk, x.dtype)
+    dx = products.ragged_m(dy, w, offsets, not w_nk, x.dtype)
     # w [G, K, N]: dw[g] = x_g^T dy_g; w [G, N, K]: dw[g] = dy_g^T x_g (the same product, transposed).
-    dw = kernel_calls.ragged_k(dy, x, offsets, w.dtype) if w_nk else kernel_calls.ragged_k(x, dy, offsets, w.dtype)
+    dw = products.ragged_k(dy, x, offsets, w.dtype) if w_nk else products.ragged_k(x, dy, offsets, w.dtype)
     return dx, dw, np.zeros(offsets.shape, dtype=jax.dtypes.float0)
 
 
-_kernel_mm.defvjp(_kernel_mm_fwd, _kernel_mm_bwd)
+_mm.defvjp(_mm_fwd, _mm_bwd)
 
 
 def _check(x: jax.Array, w: jax.Array, w_nk: bool, groups: jax.Array, groups_name: str) -> None:
@@ -72,13 +75,9 @@ def _grouped(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dty
     """The product on checked operands of one dtype; offsets int ``[G]``."""
     M, K = x.shape
     N = w.shape[1] if w_nk else w.shape[2]
-    if not use_kernels():
-        sizes = jnp.diff(offsets.astype(jnp.int32), prepend=0)
-        w_kn = jnp.swapaxes(w, 1, 2) if w_nk else w
-        return _xla_ragged_dot(x, w_kn, sizes, preferred_element_type=out_dtype)
     if M == 0 or N == 0 or K == 0:
         return jnp.zeros((M, N), out_dtype)  # an empty result, or a product over nothing
-    return _kernel_mm(x, w, offsets.astype(jnp.int32), w_nk, out_dtype)
+    return _mm(x, w, offsets.astype(jnp.int32), w_nk, out_dtype)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
