@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -46,8 +47,9 @@ def _to_torch(a: jnp.ndarray, device: Any, dtype: torch.dtype | None) -> torch.T
     return t.to(dtype) if dtype is not None else t.to(_TO_TORCH.get(np.dtype(a.dtype), t.dtype))
 
 
-def moe_from_torch(cls: type, moe: Any, param_dtype: Any) -> Any:
-    """``cls`` (``dropless.jax.MoE``) built from a ``dropless.MoE``'s options, its weights copied."""
+def moe_from_torch(cls: type, moe: Any, param_dtype: Any, ep_axis: str | None) -> Any:
+    """``cls`` (``dropless.jax.MoE``) built from a ``dropless.MoE``'s options (and ``ep_axis``), its weights
+    copied into the places of the new layer's own (sharded along E for an expert-parallel layer)."""
     options = moe.options
     if moe.ep_group is not None:
         raise ValueError("from_torch takes the whole layer, not an expert-parallel one (ep_group is set)")
@@ -55,14 +57,16 @@ def moe_from_torch(cls: type, moe: Any, param_dtype: Any) -> Any:
         raise ValueError(f"dropless.jax.MoE has no FP8 recipes; the layer's recipe is {options['recipe']!r}")
     weight = moe.router.weight
     dtype = param_dtype or _TO_JAX[weight.dtype]
-    layer = cls(**{name: options[name] for name in _JAX_OPTIONS}, param_dtype=dtype, rngs=nnx.Rngs(0))
+    layer = cls(**{name: options[name] for name in _JAX_OPTIONS}, param_dtype=dtype, ep_axis=ep_axis,
+                rngs=nnx.Rngs(0))
     modules = dict(moe.named_modules())
     for name, (path, tensor) in _NAMES.items():
         variable = getattr(layer, name)
         if variable is None:
             continue
         source = getattr(modules[path], tensor)
-        variable.set_value(_to_jax(source, variable.get_value().dtype))
+        initial = variable.get_value()
+        variable.set_value(jax.device_put(_to_jax(source, initial.dtype), initial.sharding))
     return layer
 
 

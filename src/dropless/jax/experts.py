@@ -34,7 +34,7 @@ def unpermute(rows: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Arra
     T, k = weights.shape
     acc = jnp.float64 if jnp.float64 in (rows.dtype, weights.dtype) else jnp.float32
     by_copy = jnp.zeros(rows.shape, acc).at[order].set(rows.astype(acc))
-    return (by_copy.reshape(T, k, -1) * weights.astype(acc)[..., None]).sum(axis=1).astype(rows.dtype)
+    return (by_copy.reshape(T, k, rows.shape[1]) * weights.astype(acc)[..., None]).sum(axis=1).astype(rows.dtype)
 
 
 def glu(h: jax.Array, activation: str) -> jax.Array:

@@ -59,7 +59,8 @@ def route(logits: jax.Array, top_k: int, *, score_func: str = "softmax", renorma
         weights = weights / jnp.maximum(weights.sum(axis=-1, keepdims=True), 1e-20)
     if scale != 1.0:
         weights = weights * scale
-    tokens_per_expert = jnp.zeros(E, jnp.int32).at[expert_ids.reshape(-1)].add(1)
+    # A reduction, not a scatter-add: it also runs on tokens sharded over an explicit mesh axis.
+    tokens_per_expert = (expert_ids[..., None] == jnp.arange(E)).sum(axis=(0, 1), dtype=jnp.int32)
     if T == 0:
         zero = jnp.zeros((), logits.dtype)
         return Routing(weights, expert_ids.astype(jnp.int32), tokens_per_expert, zero, zero)
@@ -80,5 +81,5 @@ def _limit_to_groups(choice: jax.Array, n_groups: int, topk_groups: int, score_f
     else:
         group_scores = grouped.max(axis=-1)
     best_groups = jax.lax.top_k(group_scores, topk_groups)[1]
-    keep = jnp.zeros((T, n_groups), bool).at[jnp.arange(T)[:, None], best_groups].set(True)
+    keep = (best_groups[..., None] == jnp.arange(n_groups)).any(axis=1)  # a comparison, as in route
     return jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
