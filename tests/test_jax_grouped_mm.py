@@ -158,6 +158,30 @@ def test_under_shard_map_each_device_runs_its_own_groups(backend):
                           f"device {d}")
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_gradients_under_shard_map_with_replicated_weights(backend, jit):
+    """Tokens split over the devices, the weights replicated: each weight's gradient sums every device's
+    rows, as without shard_map."""
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        pytest.skip("needs several JAX devices")
+    rng = np.random.default_rng(43)
+    x, w = randn(rng, (16, 12), jnp.float32), randn(rng, (3, 12, 8), jnp.float32)
+    sizes = [[2, 0, 5], [4, 3, 0]]
+    mesh, split = Mesh(np.array(devices), ("d",)), PartitionSpec("d")
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(split, PartitionSpec(), split), out_specs=PartitionSpec())
+    def loss(x, w, group_sizes):
+        return jax.lax.psum((djax.ragged_dot(x, w, group_sizes) ** 2).sum(), "d")
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    dx, dw = (jax.jit(grad) if jit else grad)(x, w, jnp.asarray(sizes, jnp.int32).reshape(-1))
+    expected = jax.grad(lambda x, w: sum((jax.lax.ragged_dot(x[8 * d:8 * d + 8], w, jnp.asarray(s)) ** 2).sum()
+                                         for d, s in enumerate(sizes)), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(dx, expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, expected[1], rtol=1e-5, atol=1e-5)
+
+
 def test_empty_dimensions(backend):
     rng = np.random.default_rng(17)
     group_sizes = jnp.asarray([0, 0], jnp.int32)

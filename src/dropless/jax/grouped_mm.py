@@ -14,6 +14,7 @@ import numpy as np
 
 from dropless.jax import kernel_calls, reference
 from dropless.jax.backend import use_kernels
+from dropless.jax.vma import varying_axes, vary
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REFERENCE_DTYPES = (*KERNEL_DTYPES, jnp.float64)
@@ -77,7 +78,8 @@ def _grouped(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dty
     N = w.shape[1] if w_nk else w.shape[2]
     if M == 0 or N == 0 or K == 0:
         return jnp.zeros((M, N), out_dtype)  # an empty result, or a product over nothing
-    return _mm(x, w, offsets.astype(jnp.int32), w_nk, out_dtype)
+    axes = varying_axes(x, w, offsets)
+    return _mm(vary(x, axes), vary(w, axes), vary(offsets.astype(jnp.int32), axes), w_nk, out_dtype)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,

@@ -26,6 +26,7 @@ from dropless.kernels.autotune import untimed
 from dropless.kernels.launch import interpreting
 from dropless.kernels.ragged_k import NO_ACCUMULATE
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
+from dropless.jax.vma import varying_axes, vary
 
 _DLPACK_CUDA = 2
 # XLA runs the computations of several CPU devices (shard_map) on threads of their own, and Triton's
@@ -66,7 +67,8 @@ def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, o
             run_ragged_m(a, b.transpose(1, 2) if rhs_nk else b, ends, c)
 
     call = buffer_callback(launch, jax.ShapeDtypeStruct((lhs.shape[0], N), out_dtype), vmap_method="sequential")
-    return call(lhs, rhs, offsets)
+    # A callback's result varies over no manual axis of a shard_map; its operands' may.
+    return vary(call(lhs, rhs, offsets), varying_axes(lhs, rhs, offsets))
 
 
 def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.dtype) -> jax.Array:
@@ -84,4 +86,4 @@ def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.d
             run_ragged_k(a, b, ends, c, NO_ACCUMULATE, None)
 
     call = buffer_callback(launch, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
-    return call(lhs, rhs, offsets)
+    return vary(call(lhs, rhs, offsets), varying_axes(lhs, rhs, offsets))

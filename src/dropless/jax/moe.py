@@ -195,9 +195,8 @@ class MoE(nnx.Module):
 
         split = PartitionSpec(axis)
         # Every input and the output are split over the axis (nothing replicated, so no gradient is
-        # summed over it). The kernels' custom calls type their results as the same on every device,
-        # which varying-axis checking would reject in the backward pass, so it is off.
-        mapped = jax.shard_map(routed, in_specs=split, out_specs=split, axis_names={axis}, check_vma=False)
+        # summed over it).
+        mapped = jax.shard_map(routed, in_specs=split, out_specs=split, axis_names={axis})
         args = (tokens, routing.expert_ids, routing.weights, self._expert_weights(tokens.dtype))
         if not explicit:
             return mapped(*args)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dropless.jax.vma import varying_axes, vary
+
 
 def _group_rows(M: int, offsets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Row numbers ``[M]`` and each group's first and last-plus-one rows ``[G]``."""
@@ -33,9 +35,8 @@ def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, o
         mine = ((rows >= start) & (rows < end))[:, None]
         return out + jnp.where(mine, jnp.matmul(lhs, weight, preferred_element_type=accumulate), 0), None
 
-    # Zeros as a product over nothing: under shard_map they vary over the manual axes as the operands
-    # do, as the carry must.
-    out = jnp.matmul(lhs[:, :0], rhs_kn[0, :0], preferred_element_type=accumulate)
+    # Under shard_map the carry must vary over the manual axes as the operands do.
+    out = vary(jnp.zeros((lhs.shape[0], rhs_kn.shape[2]), accumulate), varying_axes(lhs, rhs, offsets))
     return jax.lax.scan(group, out, (rhs_kn, starts, ends))[0].astype(out_dtype)
 
 
