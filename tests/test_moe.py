@@ -87,6 +87,36 @@ def test_moe_matches_loop(backend, name):
     assert rel_err(moe.router.weight.grad, params["router"].grad) <= REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("name", ["mixtral_like", "bias_shared", "k8"])
+def test_recompute_activation_keeps_gradients_and_drops_the_saved_activation(backend, name, monkeypatch):
+    """With recompute_activation the gradients are bit for bit those without it, and the activation's
+    output is no longer alive after the forward (nothing saved it)."""
+    import weakref
+
+    from dropless.nn import moe as moe_module
+
+    kind, device = backend
+    dtype = torch.float64 if kind == "reference" else torch.float32
+    case = CASES[name]
+    x = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
+    dy = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
+    outputs, made = {}, []
+    swiglu = moe_module.ACTIVATIONS["swiglu"]
+    monkeypatch.setitem(moe_module.ACTIVATIONS, "swiglu", lambda h, **kw: made.append(a := swiglu(h, **kw)) or a)
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        moe = _build(case | {"recompute_activation": recompute}, dtype, device)
+        made.clear()
+        x_in = x.clone().requires_grad_()
+        y = moe(x_in)
+        activation = weakref.ref(made.pop(0))
+        assert (activation() is None) == recompute, f"recompute_activation={recompute}: saved activation alive?"
+        y.backward(dy)
+        outputs[recompute] = [y.detach(), x_in.grad] + [p.grad for p in moe.parameters()]
+    for plain, recomputed in zip(outputs[False], outputs[True]):
+        assert torch.equal(plain, recomputed)
+
+
 def test_moe_keeps_shape_and_reports_losses(reference_backend):
     moe = MoE(16, 8, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
     x = torch.randn(2, 3, 16)

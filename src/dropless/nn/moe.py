@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dropless.nn.grouped_linear import GroupedLinear
+from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, unpermute
@@ -58,6 +59,10 @@ class MoE(nn.Module):
         bias: biases in the expert projections.
         activation: ``"swiglu"`` or ``"geglu"``.
         fuse_wgrad_accumulation: expert weight gradients go into ``main_grad`` (see GroupedLinear).
+        recompute_activation: keep the gated activation's output ``[T*k, d_ff]`` out of the memory
+            saved for the backward, and compute it again from the gate/up output there (as Megatron's
+            option of that name); the gradients are the same. BF16/FP16 experts (with a recipe the
+            down product saves its own FP8 copies).
         recipe: run the expert GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"``; see
             GroupedLinear); the router and the shared experts stay in the input's dtype (router: fp32).
         ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
@@ -79,7 +84,8 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0,
                  num_shared_experts: int = 0, shared_d_ff: int | None = None, bias: bool = False,
                  activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
-                 recipe: str | Recipe | None = None, ep_group: dist.ProcessGroup | None = None,
+                 recompute_activation: bool = False, recipe: str | Recipe | None = None,
+                 ep_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         # The layer's options, from which expert_parallel() builds the same layer over a group.
         options = {name: value for name, value in locals().items()
@@ -98,6 +104,7 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.activation = activation
+        self.recompute_activation = recompute_activation
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         factory = {"device": device, "dtype": dtype}
@@ -149,7 +156,11 @@ class MoE(nn.Module):
         h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8)
         activation = ACTIVATIONS[self.activation]
         if self.experts_down.recipe is None:
-            return self.experts_down(activation(h), group_sizes)
+            a = activation(h)
+            if not self.recompute_activation:
+                return self.experts_down(a, group_sizes)
+            with recomputed(a, lambda: activation(h)):
+                return self.experts_down(a, group_sizes)
         # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
         # forward reads instead of quantizing the activation again.
         a, a_fp8 = activation(h, recipe=self.experts_down.recipe)
