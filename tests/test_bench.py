@@ -11,9 +11,9 @@ from dropless.bench.__main__ import main
 from dropless.bench.peers import METHODS
 from dropless.bench.problem import PASSES
 from dropless.bench.readme import END, START, render_table
-from dropless.bench.report import summarize
-from dropless.bench.routing import ROUTINGS, group_sizes
-from dropless.bench.shapes import QUICK_SHAPES
+from dropless.bench.report import decode_bar, format_decode_bar, format_summary, summarize
+from dropless.bench.routing import ALL_ROUTINGS, ROUTINGS, group_sizes
+from dropless.bench.shapes import DECODE_SHAPES, QUICK_DECODE_SHAPES, QUICK_SHAPES, SHAPES, select_shapes
 from dropless.bench.timing import queued_median_ms, round_order
 
 ROW_KEYS = {"shape", "E", "M", "K", "N", "routing", "max_group", "method", "pass", "ms", "ms_rounds", "tflops",
@@ -55,6 +55,52 @@ def test_quick_gemm_writes_json_and_plot(quick_run):
     assert (quick_run / "quick.png").stat().st_size > 0
 
 
+@pytest.fixture(scope="module")
+def decode_run(tmp_path_factory):
+    """One training shape and the decode group: each shape under its own routings."""
+    out = tmp_path_factory.mktemp("bench_decode")
+    assert main(["gemm", "--quick", "--rounds", "1", "--shapes", "tiny-few", "decode", "--out", str(out),
+                 "--name", "decode"]) == 0
+    return json.loads((out / "decode.json").read_text())
+
+
+def test_decode_group_runs_every_routing_and_method(decode_run):
+    rows = decode_run["rows"]
+    expected = {("tiny-few", routing) for routing in ROUTINGS}
+    expected |= {(s.name, routing) for s in QUICK_DECODE_SHAPES for routing in ALL_ROUTINGS}
+    assert {(r["shape"], r["routing"]) for r in rows} == expected
+    assert len(rows) == len(expected) * len(PASSES) * len(METHODS)
+    for r in rows:
+        assert not r["failed"] or r["method"] == "quack", r
+    sizes = decode_run["meta"]["group_sizes"]
+    for shape in QUICK_DECODE_SHAPES:
+        assert shape.M <= 16 * shape.E
+        assert sorted(sizes[shape.name]["all-to-one"]) == [0] * (shape.E - 1) + [shape.M]
+    assert max(s.E for s in QUICK_DECODE_SHAPES) > 100  # the issue's case: every row on one of over 100 experts
+    bar = decode_bar(rows)
+    assert len(bar["ratios"]) == len(QUICK_DECODE_SHAPES) * len(ALL_ROUTINGS) * len(PASSES)  # tiny-few is no decode
+    assert format_decode_bar(rows) in format_summary(rows)
+
+
+def test_readme_table_shows_each_shape_under_its_own_routings(decode_run):
+    lines = render_table(decode_run, "decode.json").splitlines()
+    assert sum("tiny-few" in line for line in lines) == len(ROUTINGS)
+    assert sum("| all-to-one |" in line for line in lines) == len(QUICK_DECODE_SHAPES)
+    assert not any(" - | - | - |" in line for line in lines)  # no row of a routing a shape was not run under
+
+
+def test_shape_groups():
+    assert select_shapes(None, quick=False) == list(SHAPES)
+    assert select_shapes(["decode"], quick=False) == list(DECODE_SHAPES)
+    assert select_shapes(["decode"], quick=True) == list(QUICK_DECODE_SHAPES)
+    decode = DECODE_SHAPES[0].name
+    assert select_shapes([decode, "training", decode], quick=False) == [DECODE_SHAPES[0], *SHAPES]
+    assert all(s.M <= 16 * s.E and s.routings == ALL_ROUTINGS for s in DECODE_SHAPES)
+    assert all(s.routings == ROUTINGS for s in SHAPES)
+    with pytest.raises(ValueError, match="unknown shape"):
+        select_shapes(["nope"], quick=False)
+
+
 def test_readme_table_between_markers(quick_run, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# dropless\n\n{START}\nstale\n{END}\n\nafter\n")
@@ -75,6 +121,13 @@ def test_skewed_routing_sums_to_M_with_empty_experts(E, M):
     assert sum(balanced) == M and max(balanced) - min(balanced) <= 1
 
 
+@pytest.mark.parametrize("E, M, align", [(4, 64, 1), (128, 1536, 1), (128, 1536, 16), (1, 8, 1)])
+def test_all_to_one_routing_puts_every_row_on_one_expert(E, M, align):
+    sizes = group_sizes(E, M, "all-to-one", align=align)
+    assert len(sizes) == E and sorted(sizes) == [0] * (E - 1) + [M]
+    assert group_sizes(E, M, "all-to-one", align=align) == sizes  # seeded
+
+
 def test_round_order_shuffles_each_round_reproducibly():
     cases = list(range(20))
     orders = [round_order(cases, r, seed=0) for r in range(3)]
@@ -93,9 +146,27 @@ def test_queued_timing_waits_once_per_batch_for_its_last_call():
     assert waited[-1] == len(calls) and waited == sorted(set(waited))  # each wait gets its batch's last result
 
 
-def _row(shape: str, routing: str, method: str, pass_: str, tflops: float | None) -> dict:
-    return {"shape": shape, "E": 2, "M": 8, "K": 4, "N": 4, "routing": routing, "method": method, "pass": pass_,
+def _row(shape: str, routing: str, method: str, pass_: str, tflops: float | None, M: int = 8) -> dict:
+    return {"shape": shape, "E": 2, "M": M, "K": 4, "N": 4, "routing": routing, "method": method, "pass": pass_,
             "tflops": tflops, "error": None if tflops else "RuntimeError: quack-kernels is not installed"}
+
+
+def test_decode_bar_counts_decode_and_all_to_one_rows():
+    train, decode = 64, 32  # rows in all over E=2 experts: 32 and 16 per expert
+    rows = [_row(shape, routing, method, pass_, tflops, M) for shape, routing, pass_, M, dl, peer in (
+        ("t", "balanced", "fwd", train, 50.0, 100.0),  # a training-size balanced row: not counted
+        ("t", "all-to-one", "fwd", train, 120.0, 100.0),
+        ("d", "skewed", "fwd", decode, 90.0, 100.0),
+        ("d", "skewed", "wgrad", decode, None, 100.0),  # dropless failed: missed
+        ("d", "balanced", "fwd", decode, 90.0, None),  # the peer failed: left out
+    ) for method, tflops in (("dropless", dl), ("torch_grouped_mm", peer))]
+    bar = decode_bar(rows)
+    assert bar["ratios"] == {"t all-to-one fwd": pytest.approx(1.2), "d skewed fwd": pytest.approx(0.9),
+                             "d skewed wgrad": 0.0}
+    assert bar["met"] == 1 and bar["lowest"] == ("d skewed wgrad", 0.0) and bar["peer_failed"] == ["d balanced fwd"]
+    line = format_decode_bar(rows)
+    assert "met on 1 of 3, lowest 0.00 (d skewed wgrad)" in line and "failed on d balanced fwd" in line
+    assert format_decode_bar(rows[:2]).endswith("no such rows in this run")
 
 
 def test_summary_is_the_geomean_over_each_peer():

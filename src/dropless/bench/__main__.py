@@ -27,10 +27,15 @@ from dropless.bench.plot import plot
 from dropless.bench.problem import PASSES
 from dropless.bench.readme import END, START, render, update_readme
 from dropless.bench.report import format_summary, format_table, read_json, write_json
-from dropless.bench.routing import ROUTINGS
+from dropless.bench.routing import ALL_ROUTINGS
+from dropless.bench.shapes import GROUPS
 from dropless.quantized import GEMM_RECIPES
 
 RESULTS = Path("benchmarks/results")
+SHAPES_HELP = (f"shape names or group names, of {list(GROUPS)} (default: the training group; "
+               "decode: at most 16 rows per expert)")
+ROUTING_HELP = (f"of {list(ALL_ROUTINGS)} (default: each shape's own: balanced and skewed, and all-to-one too "
+                "for the decode shapes)")
 
 
 def _names(values: Sequence[str] | None) -> list[str] | None:
@@ -63,16 +68,16 @@ def _parser() -> argparse.ArgumentParser:
 
     gemm = _add_run_arguments(sub.add_parser(
         "gemm", help="time the grouped GEMM against its peers on the same inputs"), "gemm", "tiny shapes")
-    gemm.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
-    gemm.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    gemm.add_argument("--shapes", nargs="+", help=SHAPES_HELP)
+    gemm.add_argument("--routing", nargs="+", help=ROUTING_HELP)
     gemm.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
     gemm.add_argument("--methods", nargs="+", help=f"of {list(METHODS)} (default: all)")
 
     fp8 = _add_run_arguments(sub.add_parser(
         "fp8", help="time the FP8 grouped GEMMs (every recipe, weights cached or quantized in the call) against "
                     "dropless BF16, torchao, torch._scaled_grouped_mm and a dense FP8 ceiling"), "fp8", "tiny shapes")
-    fp8.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
-    fp8.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    fp8.add_argument("--shapes", nargs="+", help=SHAPES_HELP)
+    fp8.add_argument("--routing", nargs="+", help=ROUTING_HELP)
     fp8.add_argument("--passes", nargs="+", help=f"of {list(PASSES)} (default: all)")
     fp8.add_argument("--methods", nargs="+", help=f"of {list(FP8_METHODS)} (default: all)")
     fp8.add_argument("--quantization", choices=("all", "activations", "none"), default="all",
@@ -92,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                     "and a dense jnp matmul in one process; JAX's GPU memory grows on demand "
                     "(XLA_PYTHON_CLIENT_PREALLOCATE=false unless set) so the PyTorch side keeps its share"),
         "jax", "tiny shapes")
-    jax_bench.add_argument("--shapes", nargs="+", help="shape names (default: all of the set)")
-    jax_bench.add_argument("--routing", nargs="+", help=f"of {list(ROUTINGS)} (default: both)")
+    jax_bench.add_argument("--shapes", nargs="+", help=SHAPES_HELP)
+    jax_bench.add_argument("--routing", nargs="+", help=ROUTING_HELP)
     jax_bench.add_argument("--passes", nargs="+", help=f"of {list(JAX_PASSES)} (default: both)")
     jax_bench.add_argument("--methods", nargs="+", help=f"of {list(JAX_LABELS)} (default: all)")
 
@@ -139,7 +144,7 @@ def _run(args: argparse.Namespace, kind: str, run: Callable[[], dict], opts: Run
 
 
 def _gemm(args: argparse.Namespace) -> int:
-    opts = GemmOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+    opts = GemmOptions(shapes=_names(args.shapes), routings=_names(args.routing),
                        passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(METHODS),
                        **_run_options(args))
     return _run(args, "gemm", lambda: run_gemm(opts), opts, plot,
@@ -147,7 +152,7 @@ def _gemm(args: argparse.Namespace) -> int:
 
 
 def _fp8(args: argparse.Namespace) -> int:
-    opts = Fp8Options(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+    opts = Fp8Options(shapes=_names(args.shapes), routings=_names(args.routing),
                       passes=_names(args.passes) or PASSES, methods=_names(args.methods) or tuple(FP8_METHODS),
                       quantization=args.quantization, **_run_options(args))
     return _run(args, "fp8", lambda: run_fp8(opts), opts, plot,
@@ -167,7 +172,7 @@ def _jax(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"error: the jax benchmark needs JAX ({exc})", file=sys.stderr)
         return 2
-    opts = JaxOptions(shapes=_names(args.shapes), routings=_names(args.routing) or ROUTINGS,
+    opts = JaxOptions(shapes=_names(args.shapes), routings=_names(args.routing),
                       passes=_names(args.passes) or JAX_PASSES, methods=_names(args.methods) or tuple(JAX_LABELS),
                       **_run_options(args))
     return _run(args, "jax", lambda: run_jax(opts), opts,

@@ -125,7 +125,7 @@ def quantization_rows(opts: Fp8Options, bandwidth: float | None) -> list[dict]:
             del w
     for shape in select_shapes(opts.shapes, opts.quick):
         x = torch.randn(shape.M, shape.K, device=opts.device, dtype=opts.dtype)
-        for routing in opts.routings:
+        for routing in opts.routings or shape.routings:
             sizes = group_sizes(shape.E, shape.M, routing, opts.seed, opts.align)
             offsets = torch.tensor(sizes, device=opts.device).cumsum(0).to(torch.int32)
             for name in GEMM_RECIPES:

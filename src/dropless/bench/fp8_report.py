@@ -45,7 +45,7 @@ def render_table(result: dict, source: str) -> str:
     for shape in unique(rows, "shape"):
         first = next(r for r in rows if r["shape"] == shape)
         label = f"{shape} ({first['E']}, {first['M']}, {first['K']}, {first['N']})"
-        for routing in unique(rows, "routing"):
+        for routing in unique([r for r in rows if r["shape"] == shape], "routing"):
             get = {m: at.get((shape, routing, "fwd+bwd", m)) for m, _ in COLUMNS}
             cells = [label, routing, *(_cell(get[m], get["dropless"]) for m, _ in COLUMNS),
                      ratio_cell(ratio(get["dropless_rowwise"], get["torchao_rowwise"]))]

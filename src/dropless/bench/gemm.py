@@ -22,7 +22,7 @@ from dropless.bench.check import TOLERANCE, References, max_rel_err
 from dropless.bench.environment import describe
 from dropless.bench.peers import METHODS, Case, Method
 from dropless.bench.problem import PASSES, Problem, make_problem, useful_flops
-from dropless.bench.routing import ROUTINGS, group_sizes
+from dropless.bench.routing import ALL_ROUTINGS, group_sizes
 from dropless.bench.shapes import Shape, select_shapes
 from dropless.bench.timing import median_ms, round_order
 from dropless.kernels.tuning import tuned_configs
@@ -35,8 +35,8 @@ Timer = Callable[[Callable[[], Any], torch.device, float, float], float]
 class GemmOptions(RunOptions):
     """Which shapes, routings, passes and methods to run, and how (see ``RunOptions``)."""
 
-    shapes: Sequence[str] | None = None
-    routings: Sequence[str] = ROUTINGS
+    shapes: Sequence[str] | None = None  # shape and group names (see ``select_shapes``); None: the training set
+    routings: Sequence[str] | None = None  # None: each shape's own (``Shape.routings``)
     passes: Sequence[str] = PASSES
     methods: Sequence[str] = tuple(METHODS)
     registry: dict[str, Callable[[Problem], Method]] = field(default_factory=lambda: dict(METHODS))
@@ -53,7 +53,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
     """Run the benchmark; return ``{"meta": {...}, "rows": [...]}`` (one row per shape, routing,
     method and pass, in that nesting order)."""
     shapes = select_shapes(opts.shapes, opts.quick)
-    for name, given, known in (("routing", opts.routings, ROUTINGS), ("pass", opts.passes, PASSES),
+    for name, given, known in (("routing", opts.routings or (), ALL_ROUTINGS), ("pass", opts.passes, PASSES),
                                ("method", opts.methods, tuple(opts.registry))):
         unknown = [g for g in given if g not in known]
         if unknown:
@@ -66,7 +66,7 @@ def run_gemm(opts: GemmOptions, log: Callable[[str], None] = lambda s: print(s, 
     rows = []
     started = time.perf_counter()
     for shape in shapes:
-        for routing in opts.routings:
+        for routing in opts.routings or shape.routings:
             sizes = group_sizes(shape.E, shape.M, routing, opts.seed, opts.align)
             meta["group_sizes"].setdefault(shape.name, {})[routing] = sizes
             tic = time.perf_counter()

@@ -70,7 +70,9 @@ def format_jax_table(result: dict) -> str:
     rows, meta = result["rows"], result["meta"]
     at = index_rows(rows)
     methods = [m for m in LABELS if m in unique(rows, "method")]
-    head = f"{'shape':<22}{'routing':<9}{'pass':<8}{'max_grp':>8}"
+    shape_width = max([22, *(len(s) + 1 for s in unique(rows, "shape"))])
+    routing_width = max([9, *(len(r) + 1 for r in unique(rows, "routing"))])
+    head = f"{'shape':<{shape_width}}{'routing':<{routing_width}}{'pass':<8}{'max_grp':>8}"
     head += "".join(f"{LABELS[m]:>16}" for m in methods) + "".join(f"{c:>14}" for c in PEERS.values())
     lines = [f"JAX grouped GEMM, TFLOP/s of useful FLOPs: {headline(meta)}; jax {meta['jax']} on "
              f"{meta['jax_device']}, dropless.jax on {meta['dropless_jax_backend']}",
@@ -83,7 +85,7 @@ def format_jax_table(result: dict) -> str:
                 some = next((r for r in cells.values() if r is not None), None)
                 if some is None:
                     continue
-                line = f"{shape:<22}{routing:<9}{pass_:<8}{some['max_group']:>8}"
+                line = f"{shape:<{shape_width}}{routing:<{routing_width}}{pass_:<8}{some['max_group']:>8}"
                 line += "".join(f"{tflops_cell(cells[m]):>16}" for m in methods)
                 line += "".join(f"{ratio_cell(ratio(cells.get(SUBJECT), cells.get(p))):>14}" for p in PEERS)
                 lines.append(line)

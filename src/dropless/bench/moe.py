@@ -19,6 +19,13 @@ against the same reference with the FP8 benchmark's tolerance. Their weights do 
 steps, so every timed step reuses the weights' FP8 copies, as the micro-batches of a training step do;
 the copies' size is the row's ``weight_cache_gib``, beside ``peak_gib`` (which, as for every method,
 counts what one step allocates).
+
+Memory, measured on one step after the check: ``peak_gib`` is the step's peak above what was allocated
+just before it; ``layer_gib``, the layer's own memory, is the peak above what the weights and inputs
+hold (everything allocated before the method was built, plus the layer's parameters and buffers), so
+it also counts what a layer keeps between steps beyond its weights (FP8 weight copies, workspaces).
+Weight gradients are made fresh in every step (``autograd.grad``, as after ``zero_grad(set_to_none=True)``,
+PyTorch's default), so every method's peaks count them alike: ``grad_gib`` says how much they are.
 """
 
 from __future__ import annotations
@@ -124,6 +131,14 @@ def run_moe(opts: MoEOptions, log: Callable[[str], None] = lambda s: print(s, fi
         peak_gib="torch.cuda.max_memory_allocated() during one step minus memory_allocated() before it "
                  "(peak stats reset first; weights, x and dy not counted, weight gradients counted); "
                  "null on the CPU",
+        layer_gib="the layer's own memory: torch.cuda.max_memory_allocated() during the same step minus what "
+                  "the weights and inputs hold (memory_allocated() before the method was built, plus the bytes "
+                  "of its parameters and buffers): activations saved for the backward, workspace, the "
+                  "gradients the step makes, and whatever the layer keeps between steps beyond its weights "
+                  "(FP8 weight copies included); no gradient buffers are kept between steps "
+                  "(autograd.grad, as after zero_grad(set_to_none=True)); null on the CPU",
+        grad_gib="GiB of the gradients one step returns (dx and every weight gradient), counted in peak_gib "
+                 "and layer_gib alike for every method",
         max_rel_err="||out - ref||_F / ||ref||_F against an fp32 reference layer (host loop over experts), "
                     f"largest over {list(CHECKED)} (weight gradients in the layouts of dropless.MoE); "
                     "rel_errs has each",
@@ -159,7 +174,8 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
     base = {"config": cfg.name, "T": cfg.T, "E": cfg.E, "k": cfg.k, "d": cfg.d, "d_ff": cfg.d_ff,
             "shared_d_ff": cfg.shared_d_ff}
     rows = {m: {**base, "method": m, "ms": None, "ms_rounds": None, "tflops": None, "fraction_of_dense": None,
-                "peak_gib": None, "weight_cache_gib": None, "max_rel_err": None, "rel_errs": None,
+                "peak_gib": None, "layer_gib": None, "grad_gib": None, "weight_cache_gib": None,
+                "max_rel_err": None, "rel_errs": None,
                 "failed": False, "error": None}
             for m in opts.methods}
     samples: dict[str, list[float]] = {m: [] for m in opts.methods}
@@ -174,13 +190,15 @@ def _run_config(cfg: LayerConfig, opts: MoEOptions, log: Callable[[str], None]) 
                 continue
             built = None
             try:
+                held = _allocated(opts.device)  # the weights and inputs every method shares
                 built = METHODS[method](cfg, weights)
                 step = _step(built, x, weights.dy)
                 if round_ == 0:
                     if not _check(step, built, ref, opts, row):
                         log(f"{cfg.name} {method}: failed the check ({row['error'] or row['max_rel_err']})")
                         continue
-                    row["peak_gib"] = _peak_gib(step, opts.device)
+                    row["peak_gib"], row["layer_gib"] = _memory_gib(step, opts.device, held, built)
+                    row["grad_gib"] = _gib(sum(t.numel() * t.element_size() for t in _grad_inputs(built, x)))
                     row["weight_cache_gib"] = _weight_cache_gib(built)
                 samples[method].append(median_ms(step, opts.device, opts.warmup, opts.rep))
             except Exception as exc:  # recorded as the row's error; the benchmark goes on
@@ -245,18 +263,52 @@ def _check(step: Callable[[], tuple], built: Built | Dense, ref: dict[str, torch
     return True
 
 
-def _peak_gib(step: Callable[[], tuple], device: torch.device) -> float | None:
-    """GiB allocated at the peak of one step above what was allocated before it; None off CUDA."""
+def _allocated(device: torch.device) -> int | None:
+    """Bytes allocated on ``device`` now, once its queued work is done; None off CUDA."""
     if device.type != "cuda":
         return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _memory_gib(step: Callable[[], tuple], device: torch.device, held: int | None,
+                built: Built | Dense) -> tuple[float | None, float | None]:
+    """``(peak_gib, layer_gib)`` of one step: GiB allocated at its peak above what was allocated just
+    before it, and above ``held`` (allocated before ``built`` was made) plus ``built``'s weights;
+    None off CUDA."""
+    if device.type != "cuda" or held is None:
+        return None, None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     out = step()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak = torch.cuda.max_memory_allocated(device)
     del out
-    return peak / 2**30
+    return _gib(peak - before), _gib(peak - held - _storage_bytes(_weights(built)))
+
+
+def _weights(built: Built | Dense) -> list[torch.Tensor]:
+    """What a method holds as its weights: the layer's parameters and buffers; the dense ceiling's
+    operands (its x, w and dy, made when it was built)."""
+    if isinstance(built, Dense):
+        return [built.x, built.w, built.dy]
+    return [*built.module.parameters(), *built.module.buffers()]
+
+
+def _grad_inputs(built: Built | Dense, x: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors one step returns a gradient of, each in its own size and dtype."""
+    return [built.x, built.w] if isinstance(built, Dense) else [x, *built.leaves]
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the storages under ``tensors``, each storage counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _gib(nbytes: int) -> float:
+    return nbytes / 2**30
 
 
 def _weight_cache_gib(built: Built | Dense) -> float | None:

@@ -14,6 +14,8 @@ LABELS = {"dense": "dense mm", "dropless": "dropless.MoE", "torch_grouped_mm": "
           "hf_grouped_mm": "transformers grouped_mm", "hf_eager": "transformers eager",
           "hf_dropless": "transformers + dropless", "dropless_rowwise": "dropless.MoE FP8 rowwise",
           "dropless_block128": "dropless.MoE FP8 block128", "dropless_mxfp8": "dropless.MoE FP8 mxfp8"}
+# The issue's bar: dropless.MoE's own memory at most this share of the torch._grouped_mm layer's, at each config.
+LAYER_MEMORY_BAR = 0.75
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -41,11 +43,37 @@ def config_label(result: dict, row: dict) -> str:
             f"d_ff={row['d_ff']}{shared})")
 
 
+def layer_memory_ratios(rows: Sequence[dict]) -> dict[str, float]:
+    """Per config: dropless.MoE's ``layer_gib`` over the torch._grouped_mm layer's, where both were measured."""
+    at = {(r["config"], r["method"]): r for r in rows}
+    out = {}
+    for config in unique(rows, "config"):
+        dl, peer = at.get((config, "dropless")), at.get((config, "torch_grouped_mm"))
+        if dl and peer and dl.get("layer_gib") is not None and peer.get("layer_gib"):
+            out[config] = dl["layer_gib"] / peer["layer_gib"]
+    return out
+
+
+def format_layer_memory_bar(rows: Sequence[dict]) -> str:
+    """One line: at how many configs dropless.MoE's own memory is within the bar of the torch._grouped_mm
+    layer's, the highest ratio, and each config's ratio (with the gradients' GiB both count)."""
+    line = f"bar layer memory: dropless.MoE <= {LAYER_MEMORY_BAR:g}x the torch._grouped_mm layer's layer_gib: "
+    ratios = layer_memory_ratios(rows)
+    if not ratios:
+        return line + "not measured in this run (layer_gib is measured on CUDA only)"
+    grads = {r["config"]: r.get("grad_gib") for r in rows if r["method"] == "dropless"}
+    worst = max(ratios, key=ratios.__getitem__)
+    each = ", ".join(f"{c} {v:.2f}" + (f" (gradients {grads[c]:.2f} GiB)" if grads.get(c) is not None else "")
+                     for c, v in ratios.items())
+    met = sum(v <= LAYER_MEMORY_BAR for v in ratios.values())
+    return line + f"met at {met} of {len(ratios)}, highest {ratios[worst]:.2f} ({worst}); {each}"
+
+
 def format_table(result: dict) -> str:
-    """One line per config and method: ms, TFLOP/s, fraction of dense, peak GiB, error, and how many
-    times faster dropless.MoE was."""
+    """One line per config and method: ms, TFLOP/s, fraction of dense, peak GiB, the layer's own GiB,
+    error, and how many times faster dropless.MoE was; then the layer-memory bar."""
     rows = result["rows"]
-    head = (f"{'config':<10}{'method':<18}{'ms':>10}{'TFLOP/s':>9}{'of dense':>9}{'peak GiB':>10}"
+    head = (f"{'config':<10}{'method':<18}{'ms':>10}{'TFLOP/s':>9}{'of dense':>9}{'peak GiB':>10}{'layer GiB':>10}"
             f"{'max_rel_err':>12}{'dl speedup':>11}  status")
     lines = [f"MoE layer fwd+bwd, useful GEMM TFLOP/s: {headline(result['meta'])}",
              "FAIL = result off the reference, ERR = raised; dl speedup = this method's ms / dropless's", head]
@@ -54,8 +82,9 @@ def format_table(result: dict) -> str:
             status = "ok" if not r["failed"] else (r["error"] or f"FAIL (err {_fmt(r['max_rel_err'], '.2e')})")
             lines.append(f"{config:<10}{r['method']:<18}{_fmt(r['ms'], '.3f'):>10}{_tflops(r):>9}"
                          f"{_fmt(r['fraction_of_dense'], '.2f'):>9}{_fmt(r['peak_gib'], '.2f'):>10}"
-                         f"{_fmt(r['max_rel_err'], '.1e'):>12}{_fmt(_speedup(r, rows), '.2f'):>11}  {status[:70]}")
-    return "\n".join(lines)
+                         f"{_fmt(r.get('layer_gib'), '.2f'):>10}{_fmt(r['max_rel_err'], '.1e'):>12}"
+                         f"{_fmt(_speedup(r, rows), '.2f'):>11}  {status[:70]}")
+    return "\n".join([*lines, format_layer_memory_bar(rows)])
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -96,20 +125,26 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def render_table(result: dict, source: str) -> str:
-    """Markdown: a line naming the run, then one row per config and method."""
+    """Markdown: a line naming the run, then one row per config and method; the layer's own memory
+    (``layer_gib``) where the run measured it (result files from before it have no such column)."""
     rows = result["rows"]
+    layer = any("layer_gib" in r for r in rows)
+    head = ["layer", "method", "ms", "TFLOP/s", "of dense", "peak GiB", *(["layer GiB"] if layer else []),
+            "dropless speedup"]
+    about_layer = (" \"layer GiB\": the peak above what the weights and inputs hold (activations saved for the "
+                   "backward, workspace and the step's gradients)." if layer else "")
     lines = [f"Measured on {headline(result['meta'])} (`{source}`). Whole MoE layer (router included), forward "
              "and backward on the same weights and tokens; TFLOP/s of the useful expert-GEMM FLOPs "
              "(`3 * T * k * 6 * d * d_ff`, plus the shared experts'); \"of dense\" over a torch.mm of the same "
-             "FLOPs timed in the same run; speedup = that method's time over dropless.MoE's.", "",
-             "| layer | method | ms | TFLOP/s | of dense | peak GiB | dropless speedup |",
-             "|---|---|---|---|---|---|---|"]
+             f"FLOPs timed in the same run; speedup = that method's time over dropless.MoE's.{about_layer}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for config in unique(rows, "config"):
         for n, r in enumerate(r for r in rows if r["config"] == config and r["method"] != "dense"):
-            label = config_label(result, r) if n == 0 else ""
-            lines.append(f"| {label} | {LABELS.get(r['method'], r['method'])} | {_fmt(r['ms'], '.1f')} | "
-                         f"{_tflops(r)} | {_fmt(r['fraction_of_dense'], '.2f')} | {_fmt(r['peak_gib'], '.1f')} | "
-                         f"{_fmt(_speedup(r, rows), '.2f')} |")
+            cells = [config_label(result, r) if n == 0 else "", LABELS.get(r["method"], r["method"]),
+                     _fmt(r["ms"], ".1f"), _tflops(r), _fmt(r["fraction_of_dense"], ".2f"), _fmt(r["peak_gib"], ".1f")]
+            cells += [_fmt(r.get("layer_gib"), ".1f")] if layer else []
+            cells.append(_fmt(_speedup(r, rows), ".2f"))
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -100,7 +100,8 @@ class Dense(Method):
 
 
 class PaddedBmm(Method):
-    """Capacity-padded ``torch.bmm`` on ``[E, C, K]``, C = the largest group (no row dropped).
+    """Capacity-padded ``torch.bmm`` on ``[E, C, K]``, C = the largest group (no row dropped): under
+    all-to-one routing C = M, so it multiplies E times the rows there are (its buffers too).
 
     The gather into the zero-padded buffers happens here, at setup, and is not timed; only the bmm is.
     """

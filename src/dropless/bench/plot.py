@@ -7,12 +7,14 @@ from pathlib import Path
 
 from dropless.bench.report import LABELS, headline, index_rows, unique
 
+HATCHES = {"skewed": "//", "all-to-one": "xx"}
+
 
 def plot(result: dict, path: Path, labels: Mapping[str, str] = LABELS, title: str = "grouped GEMM") -> bool:
     """Write a PNG of ``result`` to ``path``, methods named by ``labels``; False (and nothing written)
     without matplotlib.
 
-    Balanced routing is drawn solid, skewed hatched; a missing bar is a failed or raised case.
+    Balanced routing is drawn solid, skewed and all-to-one hatched; a missing bar is a failed or raised case.
     """
     try:
         import matplotlib
@@ -27,7 +29,7 @@ def plot(result: dict, path: Path, labels: Mapping[str, str] = LABELS, title: st
     shapes, routings = unique(rows, "shape"), unique(rows, "routing")
     passes, methods = unique(rows, "pass"), unique(rows, "method")
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
-    hatches = {r: ("//" if r == "skewed" else "") for r in routings}
+    hatches = {r: HATCHES.get(r, "") for r in routings}
     bars = [(r, m) for r in routings for m in methods]
     width = 0.84 / len(bars)
     fig, axes = plt.subplots(len(passes), 1, figsize=(max(8.0, 2.0 * len(shapes) + 2), 3.0 * len(passes)),

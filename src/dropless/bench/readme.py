@@ -15,10 +15,10 @@ TABLE_METHODS = ("dense", "dropless", "torch_grouped_mm", "loop")
 
 
 def render_table(result: dict, source: str) -> str:
-    """Markdown: a line naming the run, then one table row per shape and routing, with the TFLOP/s of
-    dense, dropless, ``torch._grouped_mm`` and the loop (those the run has, and quack where it timed
-    it) for fwd and fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm`` (and to quack):
-    all of one run, so the ratios compare like with like."""
+    """Markdown: a line naming the run, then one table row per shape and routing it ran under, with
+    the TFLOP/s of dense, dropless, ``torch._grouped_mm`` and the loop (those the run has, and quack
+    where it timed it) for fwd and fwd+bwd, and dropless's ratios to dense, to ``torch._grouped_mm``
+    (and to quack): all of one run, so the ratios compare like with like."""
     rows = result["rows"]
     at = index_rows(rows)
     extra = timed_optional_peers(rows)
@@ -36,7 +36,7 @@ def render_table(result: dict, source: str) -> str:
     for shape in unique(rows, "shape"):
         first = next(r for r in rows if r["shape"] == shape)
         label = f"{shape} ({first['E']}, {first['M']}, {first['K']}, {first['N']})"
-        for routing in unique(rows, "routing"):
+        for routing in unique([r for r in rows if r["shape"] == shape], "routing"):
             cells = [label, routing]
             for pass_ in TABLE_PASSES:
                 get = {m: at.get((shape, routing, pass_, m)) for m in (*methods, *peers)}

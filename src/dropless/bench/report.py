@@ -13,6 +13,8 @@ LABELS = {"dense": "dense", "dropless": "dropless", "torch_grouped_mm": "_groupe
 Key = tuple[str, str, str, str]  # shape, routing, pass, method
 RATIO_PEERS = ("dense", "torch_grouped_mm")  # what dropless is always compared with
 OPTIONAL_PEERS = ("quack",)  # compared with where a run timed them
+# A decode-size GEMM: at most this many rows per expert on average (M <= 16 E).
+DECODE_ROWS_PER_EXPERT = 16
 
 
 def index_rows(rows: Sequence[dict]) -> dict[Key, dict]:
@@ -70,7 +72,10 @@ def format_table(result: dict) -> str:
     methods = unique(rows, "method")
     peers = RATIO_PEERS + timed_optional_peers(rows)
     cols = [LABELS.get(m, m) for m in methods] + [f"dl/{'_gmm' if m == 'torch_grouped_mm' else m}" for m in peers]
-    head = f"{'shape':<22}{'routing':<9}{'pass':<8}{'max_grp':>8}" + "".join(f"{c:>12}" for c in cols)
+    shape_width = max([22, *(len(s) + 1 for s in unique(rows, "shape"))])
+    routing_width = max([9, *(len(r) + 1 for r in unique(rows, "routing"))])
+    head = f"{'shape':<{shape_width}}{'routing':<{routing_width}}{'pass':<8}{'max_grp':>8}"
+    head += "".join(f"{c:>12}" for c in cols)
     lines = [f"grouped GEMM, TFLOP/s of useful FLOPs: {headline(result['meta'])}",
              "FAIL = result off the reference, ERR = raised; dl = dropless, _gmm = torch._grouped_mm", head]
     for shape in unique(rows, "shape"):
@@ -80,7 +85,7 @@ def format_table(result: dict) -> str:
                 some = next((r for r in cells.values() if r is not None), None)
                 if some is None:
                     continue
-                line = f"{shape:<22}{routing:<9}{pass_:<8}{some['max_group']:>8}"
+                line = f"{shape:<{shape_width}}{routing:<{routing_width}}{pass_:<8}{some['max_group']:>8}"
                 line += "".join(f"{tflops_cell(cells[m]):>12}" for m in methods)
                 line += "".join(f"{ratio_cell(ratio(cells.get('dropless'), cells.get(m))):>12}" for m in peers)
                 lines.append(line)
@@ -109,6 +114,50 @@ def _geomean(values: Sequence[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def is_decode_or_all_to_one(row: dict) -> bool:
+    """A row of the decode bar: at most ``DECODE_ROWS_PER_EXPERT`` rows per expert, or all-to-one routing."""
+    return row["M"] <= DECODE_ROWS_PER_EXPERT * row["E"] or row["routing"] == "all-to-one"
+
+
+def decode_bar(rows: Sequence[dict]) -> dict:
+    """The bar "dropless at least ``torch._grouped_mm``" over every (shape, routing, pass) of the
+    decode-size and all-to-one rows: ``ratios`` (dropless over it where it was timed; 0 where dropless
+    was not), ``met`` (how many reach 1), ``lowest`` (the smallest ratio and where) and ``peer_failed``
+    (where ``torch._grouped_mm`` failed or raised, left out of the count)."""
+    at = index_rows(rows)
+    ratios: dict[str, float] = {}
+    peer_failed = []
+    for r in rows:
+        if r["method"] != "dropless" or not is_decode_or_all_to_one(r):
+            continue
+        where = f"{r['shape']} {r['routing']} {r['pass']}"
+        peer = at.get((r["shape"], r["routing"], r["pass"], "torch_grouped_mm"))
+        if peer is None:
+            continue
+        if peer["tflops"] is None:
+            peer_failed.append(where)
+            continue
+        ratios[where] = ratio(r, peer) or 0.0  # dropless failed here: the bar is missed
+    lowest = min(ratios.items(), key=lambda item: item[1]) if ratios else None
+    return {"ratios": ratios, "met": sum(v >= 1 for v in ratios.values()), "lowest": lowest,
+            "peer_failed": peer_failed}
+
+
+def format_decode_bar(rows: Sequence[dict]) -> str:
+    """One line: on how many decode-size and all-to-one rows dropless reached ``torch._grouped_mm``,
+    the lowest ratio and where, and where the peer failed."""
+    bar = decode_bar(rows)
+    line = f"bar dropless >= torch._grouped_mm on decode-size (M/E <= {DECODE_ROWS_PER_EXPERT}) and all-to-one rows: "
+    if not bar["ratios"] and not bar["peer_failed"]:
+        return line + "no such rows in this run"
+    line += f"met on {bar['met']} of {len(bar['ratios'])}"
+    if bar["lowest"]:
+        line += f", lowest {bar['lowest'][1]:.2f} ({bar['lowest'][0]})"
+    if bar["peer_failed"]:
+        line += f"; torch._grouped_mm failed on {', '.join(bar['peer_failed'])}"
+    return line
+
+
 def format_summary(rows: Sequence[dict]) -> str:
     lines = ["summary: dropless over each peer, geometric mean over shape x routing"]
     for pass_, s in summarize(rows).items():
@@ -116,6 +165,7 @@ def format_summary(rows: Sequence[dict]) -> str:
         where = f" ({s['min_balanced_shape']})" if s["min_balanced_shape"] else ""
         peers = "   ".join(f"vs {LABELS.get(m, m)} {ratio_cell(v)}" for m, v in s["vs"].items())
         lines.append(f"  {pass_:<8} {peers}   min balanced vs dense {worst}{where}")
+    lines.append(format_decode_bar(rows))
     return "\n".join(lines)
 
 

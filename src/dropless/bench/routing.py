@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-ROUTINGS = ("balanced", "skewed")
+ROUTINGS = ("balanced", "skewed")  # what a shape runs under unless it names others (Shape.routings)
+ALL_ROUTINGS = (*ROUTINGS, "all-to-one")
 ZIPF_EXPONENT = 1.2
 
 
@@ -17,6 +18,8 @@ def group_sizes(E: int, M: int, routing: str, seed: int = 0, align: int = 1) -> 
     ``skewed``: ``ceil(E / 8)`` experts empty (at least one, never all), the others ranked by a Zipf(1.2)
     popularity, ``rows ~ M * rank^-1.2``; the seed decides which experts are empty and which rank
     each of the others takes.
+    ``all-to-one``: every row to one expert, the seed's pick, and the other ``E - 1`` empty (the worst
+    case of a router that collapses, and of a decode step whose tokens all pick one expert).
     """
     if align > 1:
         if M % align:
@@ -25,8 +28,12 @@ def group_sizes(E: int, M: int, routing: str, seed: int = 0, align: int = 1) -> 
     if routing == "balanced":
         base, extra = divmod(M, E)
         return [base + (e < extra) for e in range(E)]
+    if routing == "all-to-one":
+        sizes = [0] * E
+        sizes[int(np.random.default_rng(seed).integers(E))] = M
+        return sizes
     if routing != "skewed":
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        raise ValueError(f"routing must be one of {ALL_ROUTINGS}, got {routing!r}")
     if E < 2:
         raise ValueError("skewed routing needs at least two experts (one of them empty)")
     active = E - min(math.ceil(E / 8), E - 1)
