@@ -94,10 +94,12 @@ def test_layer_memory_bar():
     def row(config: str, method: str, layer_gib: float | None) -> dict:
         return {"config": config, "method": method, "layer_gib": layer_gib, "grad_gib": 1.0}
 
-    rows = [row("a", "dropless", 1.5), row("a", "torch_grouped_mm", 3.0), row("b", "dropless", 2.4),
-            row("b", "torch_grouped_mm", 3.0), row("c", "dropless", None), row("c", "torch_grouped_mm", 3.0)]
+    # Own memory = layer_gib - grad_gib: a 0.5 / 2.0, b 1.8 / 2.0 (0.9) or with recompute 1.4 / 2.0 (0.7).
+    rows = [row("a", "dropless", 1.5), row("a", "torch_grouped_mm", 3.0), row("b", "dropless", 2.8),
+            row("b", "dropless_recompute", 2.4), row("b", "torch_grouped_mm", 3.0), row("c", "dropless", None),
+            row("c", "torch_grouped_mm", 3.0), row("d", "dropless", 2.9), row("d", "torch_grouped_mm", 3.0)]
     line = format_layer_memory_bar(rows)
-    assert "met at 1 of 2, highest 0.80 (b)" in line and "a 0.50 (gradients 1.00 GiB), b 0.80" in line
+    assert "met at 2 of 3, highest 0.95 (d)" in line and "a 0.25 (gradients 1.00 GiB), b 0.70" in line
     assert "not measured" in format_layer_memory_bar([row("a", "dropless", None), row("a", "torch_grouped_mm", None)])
 
 

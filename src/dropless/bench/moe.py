@@ -25,7 +25,9 @@ just before it; ``layer_gib``, the layer's own memory, is the peak above what th
 hold (everything allocated before the method was built, plus the layer's parameters and buffers), so
 it also counts what a layer keeps between steps beyond its weights (FP8 weight copies, workspaces).
 Weight gradients are made fresh in every step (``autograd.grad``, as after ``zero_grad(set_to_none=True)``,
-PyTorch's default), so every method's peaks count them alike: ``grad_gib`` says how much they are.
+PyTorch's default), so every method's peaks count them alike: ``grad_gib`` says how much they are, and
+``layer_gib - grad_gib`` is what the layer itself adds: the activations it saves for the backward and
+its workspace.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ Builder = Callable[[LayerConfig, Weights], "Built | Dense"]
 METHODS: dict[str, Builder] = {
     "dense": Dense,
     "dropless": build_dropless,
+    "dropless_recompute": lambda cfg, w: build_dropless(cfg, w, recompute_activation=True),
     "torch_grouped_mm": build_torch_grouped_mm,
     "hf_grouped_mm": lambda cfg, w: build_hf(cfg, w, "grouped_mm"),
     "hf_eager": lambda cfg, w: build_hf(cfg, w, "eager"),
