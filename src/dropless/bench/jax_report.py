@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dropless.bench.report import headline, index_rows, ratio, ratio_cell, tflops_cell, unique
+from dropless.bench.report import grid_lines, headline, index_rows, ratio, unique
 
 PASSES = ("fwd", "fwd+bwd")
 SUBJECT = "dropless_jax"
@@ -68,26 +68,11 @@ def format_jax_table(result: dict) -> str:
     """One line per shape x routing x pass: each method's TFLOP/s, then dropless.jax over dense, over
     the PyTorch dropless and over jax.lax.ragged_dot; then the bars."""
     rows, meta = result["rows"], result["meta"]
-    at = index_rows(rows)
     methods = [m for m in LABELS if m in unique(rows, "method")]
-    shape_width = max([22, *(len(s) + 1 for s in unique(rows, "shape"))])
-    routing_width = max([9, *(len(r) + 1 for r in unique(rows, "routing"))])
-    head = f"{'shape':<{shape_width}}{'routing':<{routing_width}}{'pass':<8}{'max_grp':>8}"
-    head += "".join(f"{LABELS[m]:>16}" for m in methods) + "".join(f"{c:>14}" for c in PEERS.values())
     lines = [f"JAX grouped GEMM, TFLOP/s of useful FLOPs: {headline(meta)}; jax {meta['jax']} on "
              f"{meta['jax_device']}, dropless.jax on {meta['dropless_jax_backend']}",
              "every method timed alike: host clock over queued calls, one wait per batch; "
-             "FAIL = result off the reference, ERR = raised (out of memory included)", head]
-    for shape in unique(rows, "shape"):
-        for routing in unique(rows, "routing"):
-            for pass_ in unique(rows, "pass"):
-                cells = {m: at.get((shape, routing, pass_, m)) for m in methods}
-                some = next((r for r in cells.values() if r is not None), None)
-                if some is None:
-                    continue
-                line = f"{shape:<{shape_width}}{routing:<{routing_width}}{pass_:<8}{some['max_group']:>8}"
-                line += "".join(f"{tflops_cell(cells[m]):>16}" for m in methods)
-                line += "".join(f"{ratio_cell(ratio(cells.get(SUBJECT), cells.get(p))):>14}" for p in PEERS)
-                lines.append(line)
+             "FAIL = result off the reference, ERR = raised (out of memory included)"]
+    lines += grid_lines(rows, methods, [LABELS[m] for m in methods], SUBJECT, list(PEERS), list(PEERS.values()), 16)
     passes = unique(rows, "pass")
     return "\n".join(lines + [format_bar(rows, bar) for bar in BARS if bar.pass_ in passes])

@@ -64,20 +64,16 @@ def timed_optional_peers(rows: Sequence[dict]) -> tuple[str, ...]:
     return tuple(m for m in OPTIONAL_PEERS if m in timed)
 
 
-def format_table(result: dict) -> str:
-    """One line per shape x routing x pass: TFLOP/s per method, then dropless over dense, over
-    ``torch._grouped_mm`` and over each optional peer the run timed."""
-    rows = result["rows"]
+def grid_lines(rows: Sequence[dict], methods: Sequence[str], labels: Sequence[str], subject: str,
+               peers: Sequence[str], peer_labels: Sequence[str], width: int) -> list[str]:
+    """A header and one line per shape x routing x pass that ran: the largest group, each method's TFLOP/s
+    (columns ``labels``), then ``subject``'s ratio to each of ``peers`` (columns ``peer_labels``), every
+    column ``width`` wide."""
     at = index_rows(rows)
-    methods = unique(rows, "method")
-    peers = RATIO_PEERS + timed_optional_peers(rows)
-    cols = [LABELS.get(m, m) for m in methods] + [f"dl/{'_gmm' if m == 'torch_grouped_mm' else m}" for m in peers]
     shape_width = max([22, *(len(s) + 1 for s in unique(rows, "shape"))])
     routing_width = max([9, *(len(r) + 1 for r in unique(rows, "routing"))])
     head = f"{'shape':<{shape_width}}{'routing':<{routing_width}}{'pass':<8}{'max_grp':>8}"
-    head += "".join(f"{c:>12}" for c in cols)
-    lines = [f"grouped GEMM, TFLOP/s of useful FLOPs: {headline(result['meta'])}",
-             "FAIL = result off the reference, ERR = raised; dl = dropless, _gmm = torch._grouped_mm", head]
+    lines = [head + "".join(f"{c:>{width}}" for c in [*labels, *peer_labels])]
     for shape in unique(rows, "shape"):
         for routing in unique(rows, "routing"):
             for pass_ in unique(rows, "pass"):
@@ -86,10 +82,23 @@ def format_table(result: dict) -> str:
                 if some is None:
                     continue
                 line = f"{shape:<{shape_width}}{routing:<{routing_width}}{pass_:<8}{some['max_group']:>8}"
-                line += "".join(f"{tflops_cell(cells[m]):>12}" for m in methods)
-                line += "".join(f"{ratio_cell(ratio(cells.get('dropless'), cells.get(m))):>12}" for m in peers)
+                line += "".join(f"{tflops_cell(cells[m]):>{width}}" for m in methods)
+                line += "".join(f"{ratio_cell(ratio(cells.get(subject), cells.get(p))):>{width}}" for p in peers)
                 lines.append(line)
-    return "\n".join(lines)
+    return lines
+
+
+def format_table(result: dict) -> str:
+    """One line per shape x routing x pass: TFLOP/s per method, then dropless over dense, over
+    ``torch._grouped_mm`` and over each optional peer the run timed."""
+    rows = result["rows"]
+    methods = unique(rows, "method")
+    peers = RATIO_PEERS + timed_optional_peers(rows)
+    peer_labels = [f"dl/{'_gmm' if m == 'torch_grouped_mm' else m}" for m in peers]
+    lines = [f"grouped GEMM, TFLOP/s of useful FLOPs: {headline(result['meta'])}",
+             "FAIL = result off the reference, ERR = raised; dl = dropless, _gmm = torch._grouped_mm"]
+    return "\n".join(lines + grid_lines(rows, methods, [LABELS.get(m, m) for m in methods], "dropless", peers,
+                                        peer_labels, 12))
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, dict]:

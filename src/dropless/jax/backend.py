@@ -1,9 +1,11 @@
 """Which path a ``dropless.jax`` op takes: the project's Triton kernels inside XLA, or plain JAX.
 
 The same switch as the PyTorch side (``dropless.set_backend`` or ``$DROPLESS_BACKEND``): ``"auto"``
-runs the kernels when JAX computes on a GPU and their plain-JAX versions (``reference``) elsewhere; ``"triton"`` forces the kernels, which on the CPU need Triton's interpreter
-(``TRITON_INTERPRET=1``, small shapes only); ``"reference"`` forces plain JAX. The choice is made when a
-function is traced, from ``jax.default_backend()``.
+runs the kernels when JAX computes on a GPU and their plain-JAX versions (``reference``) elsewhere;
+``"triton"`` forces the kernels, which on the CPU need Triton's interpreter (``TRITON_INTERPRET=1``,
+small shapes only); ``"reference"`` forces plain JAX. The choice is made when a function is traced,
+from ``jax.default_backend()``: a function jitted before ``set_backend`` keeps the path it was traced
+with.
 """
 
 from __future__ import annotations
