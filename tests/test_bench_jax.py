@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("jax")
 
@@ -79,3 +80,22 @@ def test_bar_leaves_out_rows_whose_peer_failed_and_misses_where_dropless_jax_fai
 def test_other_commands_do_not_import_jax():
     code = "import sys, dropless.bench.__main__; sys.exit('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_quick_jax_train_times_both_steps_on_the_same_weights_and_data(tmp_path):
+    from dropless.bench.jax_train import LOGITS_TOL, METHODS
+
+    assert main(["jax-train", "--quick", "--out", str(tmp_path), "--name", "quick"]) == 0
+    result = json.loads((tmp_path / "quick.json").read_text())
+    meta, rows = result["meta"], result["rows"]
+    assert JAX_KEYS <= set(meta) and meta["quick"] and meta["preset"] == "tiny"
+    assert [r["method"] for r in rows] == list(METHODS)
+    for r in rows:
+        assert r["error"] is None and not r["failed"], r
+        assert r["tokens_per_s"] > 0 and r["ms"] == statistics.median(r["ms_rounds"])
+        assert r["max_rel_err"] <= LOGITS_TOL[torch.float32] and r["loss"] < r["first_loss"]
+    jax_row, torch_row = rows
+    assert jax_row["ratio_to_dropless"] == pytest.approx(jax_row["tokens_per_s"] / torch_row["tokens_per_s"])
+    # The same weights and batches in fp32: the same losses, step for step.
+    assert jax_row["first_loss"] == pytest.approx(torch_row["first_loss"], rel=1e-5)
+    assert jax_row["loss"] == pytest.approx(torch_row["loss"], rel=1e-3)

@@ -102,6 +102,28 @@ def _parser() -> argparse.ArgumentParser:
     jax_bench.add_argument("--passes", nargs="+", help=f"of {list(JAX_PASSES)} (default: both)")
     jax_bench.add_argument("--methods", nargs="+", help=f"of {list(JAX_LABELS)} (default: all)")
 
+    jax_train = sub.add_parser(
+        "jax-train", help="tokens/s of a jitted training step of the JAX MoE language model against the PyTorch "
+                          "step of dropless train at a preset's shape, in one process, on the same data")
+    jax_train.add_argument("--preset", help="the model and batch shape (default: small, tiny with --quick)")
+    jax_train.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's; quick: 4)")
+    jax_train.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's; quick: 64)")
+    jax_train.add_argument("--steps", type=int, help="timed steps per method and round (default: 20, quick: 2)")
+    jax_train.add_argument("--warmup-steps", type=int,
+                           help="untimed steps after the first (compilation, tuning) (default: 5, quick: 1)")
+    jax_train.add_argument("--rounds", type=int, help="timing rounds; each method reports the median (default: 3, "
+                                                      "quick: 1)")
+    jax_train.add_argument("--methods", nargs="+", help="of dropless_jax, dropless (default: both)")
+    jax_train.add_argument("--attention", choices=("xla", "cudnn"),
+                           help="the JAX model's attention (default: cuDNN's fused attention where it compiles)")
+    jax_train.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG (default: %(default)s)")
+    jax_train.add_argument("--name", help="result file stem (default: jax-train-<device>, jax-train-quick-<device> "
+                                          "with --quick)")
+    jax_train.add_argument("--quick", action="store_true", help="the tiny preset, a small batch and few steps: a "
+                                                                "smoke run of seconds, on the CPU too")
+    jax_train.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    jax_train.add_argument("--commit", help="commit to record, for a copy of the code outside git (default: from git)")
+
     merge = sub.add_parser("merge", help="join result files of runs split by shape into one")
     merge.add_argument("results", nargs="+", type=Path, help="result JSON files of disjoint shapes")
     merge.add_argument("--out", type=Path, required=True, help="the merged JSON file to write")
@@ -180,6 +202,22 @@ def _jax(args: argparse.Namespace) -> int:
                 lambda result: [format_jax_table(result)])
 
 
+def _jax_train(args: argparse.Namespace) -> int:
+    try:  # imported here: only this command loads JAX, and its module sets JAX's memory options first
+        from dropless.bench.jax_train import METHODS as TRAIN_METHODS
+        from dropless.bench.jax_train import JaxTrainOptions, format_jax_train_table, run_jax_train
+        from dropless.bench.jax_train import plot as plot_jax_train
+    except ImportError as exc:
+        print(f"error: the jax-train benchmark needs JAX, Flax and optax ({exc})", file=sys.stderr)
+        return 2
+    opts = JaxTrainOptions(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
+                           warmup_steps=args.warmup_steps, rounds=args.rounds,
+                           methods=tuple(_names(args.methods) or TRAIN_METHODS), attention=args.attention,
+                           quick=args.quick, seed=args.seed, commit=args.commit)
+    return _run(args, "jax-train", lambda: run_jax_train(opts), opts, plot_jax_train,
+                lambda result: [format_jax_train_table(result)])
+
+
 def _merge(args: argparse.Namespace) -> int:
     try:
         result = merge_results([read_json(p) for p in args.results], args.commit)
@@ -242,7 +280,8 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "jax": _jax, "merge": _merge, "readme": _readme}
+    commands = {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "jax": _jax, "jax-train": _jax_train,
+                "merge": _merge, "readme": _readme}
     return commands[args.command](args)
 
 

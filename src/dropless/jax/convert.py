@@ -41,6 +41,13 @@ def _to_jax(t: torch.Tensor, dtype: Any) -> jnp.ndarray:
     return jnp.asarray(host, dtype)
 
 
+def _placed_as(value: jnp.ndarray, initial: jnp.ndarray) -> jnp.ndarray:
+    """``value`` placed as ``initial`` is: with its sharding where that was given (an expert-parallel
+    layer's), else left to the default device uncommitted. (A jitted step whose arguments mix committed
+    and uncommitted arrays compiles again at its second call, when they all come back committed.)"""
+    return jax.device_put(value, initial.sharding) if initial.committed else value
+
+
 def _to_torch(a: jnp.ndarray, device: Any, dtype: torch.dtype | None) -> torch.Tensor:
     host = np.asarray(a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float16) else a)
     t = torch.from_numpy(host.copy()).to(device)
@@ -64,9 +71,8 @@ def moe_from_torch(cls: type, moe: Any, param_dtype: Any, ep_axis: str | None) -
         variable = getattr(layer, name)
         if variable is None:
             continue
-        source = getattr(modules[path], tensor)
         initial = variable.get_value()
-        variable.set_value(jax.device_put(_to_jax(source, initial.dtype), initial.sharding))
+        variable.set_value(_placed_as(_to_jax(getattr(modules[path], tensor), initial.dtype), initial))
     return layer
 
 
@@ -85,3 +91,30 @@ def moe_to_torch(layer: Any, device: Any, dtype: torch.dtype | None) -> Any:
             target = getattr(modules[path], tensor)
             target.copy_(_to_torch(variable.get_value(), device, None).to(target.dtype))
     return moe
+
+
+def language_model_from_torch(cls: type, model: Any, dtype: Any, attention: str | None, param_dtype: Any) -> Any:
+    """``cls`` (``dropless.jax.language_model.MoELanguageModel``) built from a PyTorch ``MoELanguageModel``'s
+    config, computing in ``dtype``, every parameter copied (the MoE layers through ``moe_from_torch``).
+    ValueError if the PyTorch model holds a parameter the JAX one has no place for."""
+    from dropless.jax.moe import MoE
+
+    params = dict(model.named_parameters())
+    param_dtype = param_dtype or _TO_JAX[model.embedding.weight.dtype]
+    lm = cls(model.config, dtype=dtype, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+    places = {"embedding.weight": lm.embedding, "norm.weight": lm.norm.weight, "lm_head.weight": lm.lm_head}
+    for i, (block, source) in enumerate(zip(lm.blocks, model.blocks)):
+        places |= {f"blocks.{i}.attention_norm.weight": block.attention_norm.weight,
+                   f"blocks.{i}.attention.qkv.weight": block.attention.qkv,
+                   f"blocks.{i}.attention.out.weight": block.attention.out,
+                   f"blocks.{i}.moe_norm.weight": block.moe_norm.weight}
+        block.moe = moe_from_torch(MoE, source.moe, param_dtype, None)
+        places |= {f"blocks.{i}.moe.{name}": None for name, _ in source.moe.named_parameters()}
+    unplaced = sorted(set(params) - set(places))
+    if unplaced:
+        raise ValueError(f"the JAX language model has no place for the PyTorch parameters {unplaced}")
+    for name, variable in places.items():
+        if variable is not None:
+            initial = variable.get_value()
+            variable.set_value(_placed_as(_to_jax(params[name], initial.dtype), initial))
+    return lm
