@@ -1,6 +1,7 @@
 """The JAX benchmark's quick run on both backends (the kernels under Triton's interpreter on the CPU):
-files written, one checked and timed row per method, shape, routing and pass; its bars; and JAX kept
-out of every other command."""
+files written, one checked and timed row per method, shape, routing and pass; its bars; JAX kept out of
+every other command; and the jax-train benchmark's quick run (both training steps checked and timed on
+the same weights and batches)."""
 
 from __future__ import annotations
 

@@ -38,22 +38,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
-from flax import nnx
+# First: jax_peers sets JAX's GPU memory options before it imports JAX.
+from dropless.bench.jax_peers import describe_jax  # isort: skip
 
-from dropless.bench.environment import describe
-from dropless.bench.jax_peers import describe_jax
-from dropless.bench.timing import round_order
-from dropless.jax.language_model import MoELanguageModel
-from dropless.jax.training import make_optimizer, train_step
-from dropless.train.data import Corpus, load_corpus
-from dropless.train.flops import model_flops_utilization
-from dropless.train.loop import Trainer
-from dropless.train.model import MoELanguageModel as TorchLanguageModel
-from dropless.train.presets import PRESETS, ModelConfig, TrainConfig, as_dict
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dropless.bench.environment import describe  # noqa: E402
+from dropless.bench.timing import round_order  # noqa: E402
+from dropless.jax.language_model import MoELanguageModel  # noqa: E402
+from dropless.jax.training import make_optimizer, train_step  # noqa: E402
+from dropless.train.data import Corpus, load_corpus  # noqa: E402
+from dropless.train.flops import model_flops_utilization  # noqa: E402
+from dropless.train.loop import Trainer  # noqa: E402
+from dropless.train.model import MoELanguageModel as TorchLanguageModel  # noqa: E402
+from dropless.train.presets import PRESETS, ModelConfig, TrainConfig, as_dict  # noqa: E402
 
 METHODS = ("dropless_jax", "dropless")
 LABELS = {"dropless_jax": "dropless.jax (nnx.jit)", "dropless": "dropless train (PyTorch)"}
@@ -287,7 +289,11 @@ def run_jax_train(opts: JaxTrainOptions, log: Callable[[str], None] = print) -> 
                     methods.pop(name)
         for name, method in methods.items():
             row = rows[name]
-            row["loss"] = method.loss(method.step())
+            try:  # one more step, so that both methods end at the same step, on the same batches
+                row["loss"] = method.loss(method.step())
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _describe_error(exc)
+                continue
             row["failed"] = row["failed"] or not math.isfinite(row["loss"])
             row["ms"] = statistics.median(row["ms_rounds"])
             row["tokens_per_s"] = row["tokens_per_step"] / (row["ms"] / 1e3)
