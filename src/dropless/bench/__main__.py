@@ -1,6 +1,6 @@
-"""``python -m dropless.bench gemm | fp8 | moe | jax | merge | readme``: run the GEMM benchmark, its FP8
-version, the whole MoE layer benchmark or the JAX one, join result files of runs split by shape, or
-regenerate the README tables."""
+"""``python -m dropless.bench gemm | fp8 | moe | ep | jax | merge | readme``: run the GEMM benchmark, its FP8
+version, the whole MoE layer benchmark, the expert-parallel one (under ``torchrun``) or the JAX one, join
+result files of runs split by shape, or regenerate the README tables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dropless.bench import fp8_report, moe_report
+from dropless.bench import ep_report, fp8_report, moe_report
 from dropless.bench.environment import device_name, slug
 from dropless.bench.fp8 import Fp8Options, format_fp8_table, format_quantization_table, run_fp8
 from dropless.bench.fp8_peers import FP8_METHODS
@@ -91,6 +91,25 @@ def _parser() -> argparse.ArgumentParser:
     moe.add_argument("--methods", nargs="+", help=f"of {list(MOE_METHODS)} (default: the BF16 ones)")
     moe.add_argument("--fp8", nargs="+", default=(), choices=GEMM_RECIPES, metavar="RECIPE",
                      help=f"also run dropless.MoE with FP8 expert GEMMs in these recipes, of {list(GEMM_RECIPES)}")
+
+    ep = _add_run_arguments(sub.add_parser(
+        "ep", help="expert parallelism, run as torchrun --nproc-per-node P -m dropless.bench ep: dispatch and "
+                   "combine GB/s per rank against NCCL all_to_all_single with and without its count exchange, "
+                   "and the EP MoE layer's fwd+bwd against the same per-GPU work on one GPU; rank 0 writes "
+                   "ep-<device>-x<P>.json"), "ep", "tiny cases on gloo CPU processes (or GPUs)")
+    ep.add_argument("--cases", nargs="+", help="exchange cases, of deepep, mixtral (default: both)")
+    ep.add_argument("--configs", nargs="+", help="layer configs, of dsv3 (default: all)")
+    ep.add_argument("--routing", nargs="+", default=["balanced"],
+                    help="of balanced, skewed (default: %(default)s; the bars are judged on balanced)")
+    ep.add_argument("--parts", nargs="+", default=["exchange", "layer"], help="of exchange, layer (default: both)")
+    ep.add_argument("--backends", nargs="+",
+                    help="dispatch backends to try, each a method dropless_<backend> where dispatch accepts it "
+                         "(default: nccl, symmetric_memory)")
+    ep.add_argument("--fp8", action="store_true", help="also time dispatch with the rowwise FP8 recipe")
+    ep.add_argument("--recipes", nargs="+", default=["bf16", "rowwise"],
+                    help="the layer's expert GEMMs: bf16 and/or rowwise (FP8) (default: both)")
+    ep.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="cuda: one GPU per rank over NCCL; cpu: gloo (default: cuda when there is one)")
 
     jax_bench = _add_run_arguments(sub.add_parser(
         "jax", help="time dropless.jax.ragged_dot against jax.lax.ragged_dot, the PyTorch dropless.grouped_mm "
@@ -188,6 +207,34 @@ def _moe(args: argparse.Namespace) -> int:
                 lambda result: [moe_report.format_table(result)])
 
 
+def _ep(args: argparse.Namespace) -> int:
+    """Every rank runs the benchmark; rank 0 writes the files and prints the tables and bars last."""
+    from dropless.bench.ep import EpOptions, process_group, run_ep
+    from dropless.bench.ep_exchange import DISPATCH_BACKENDS
+
+    opts = EpOptions(cases=_names(args.cases), configs=_names(args.configs), routings=_names(args.routing),
+                     parts=_names(args.parts), backends=_names(args.backends) or DISPATCH_BACKENDS, fp8=args.fp8,
+                     recipes=_names(args.recipes), **_run_options(args))
+    with process_group(args.device) as ranks:
+        opts.device = ranks.device
+        try:
+            result = run_ep(opts, ranks)
+        except ValueError as exc:  # raised on every rank alike, before any collective
+            if ranks.rank == 0:
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if result is None:
+        return 0
+    name = args.name or f"ep-{'quick-' if args.quick else ''}{slug(result['meta']['gpu'])}-x{ranks.world}"
+    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
+    write_json(result, json_path)
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}" if ep_report.plot(result, png_path) else "no plot: matplotlib is not installed")
+    print(ep_report.format_tables(result))
+    print(ep_report.format_bars(result))
+    return 0
+
+
 def _jax(args: argparse.Namespace) -> int:
     try:  # imported here: only this command loads JAX, and its module sets JAX's memory options first
         from dropless.bench.jax_gemm import JaxOptions, run_jax
@@ -280,7 +327,7 @@ def _readme(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "jax": _jax, "jax-train": _jax_train,
+    commands = {"gemm": _gemm, "fp8": _fp8, "moe": _moe, "ep": _ep, "jax": _jax, "jax-train": _jax_train,
                 "merge": _merge, "readme": _readme}
     return commands[args.command](args)
 

@@ -1,10 +1,12 @@
-"""Group sizes for a routing pattern, made on the host at setup time (seeded, so runs compare)."""
+"""Group sizes for a routing pattern, and token-level draws of experts that follow it, made on the host at
+setup time (seeded, so runs compare)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import torch
 
 ROUTINGS = ("balanced", "skewed")  # what a shape runs under unless it names others (Shape.routings)
 ALL_ROUTINGS = (*ROUTINGS, "all-to-one")
@@ -50,3 +52,31 @@ def _round_to_total(quotas: np.ndarray, total: int) -> np.ndarray:
     short = total - int(rows.sum())
     rows[np.argsort(rows - quotas, kind="stable")[:short]] += 1
     return rows
+
+
+# Rows per expert behind the popularity of draw_topk's skewed routing: enough that rounding is immaterial.
+_POPULARITY_ROWS_PER_EXPERT = 1000
+
+
+def draw_topk(T: int, E: int, k: int, routing: str, seed: int, draw_seed: int) -> torch.Tensor:
+    """int64 ``[T, k]`` expert ids on the host: each token's k distinct experts, drawn at random.
+
+    ``balanced``: uniformly (every expert has ``T * k / E`` copies in expectation). ``skewed``: without
+    replacement in proportion to the popularity of ``group_sizes(E, ., "skewed", seed)`` (Gumbel top-k),
+    so the experts it leaves empty are never drawn and the popular ones are the same for every
+    ``draw_seed``. ``seed`` fixes the popularity, ``draw_seed`` the draw (one per rank: every rank draws
+    its own tokens from the same popularity). ValueError if fewer than k experts can be drawn.
+    """
+    if routing == "balanced":
+        log_popularity = torch.zeros(E, dtype=torch.float64)
+    elif routing == "skewed":
+        sizes = group_sizes(E, E * _POPULARITY_ROWS_PER_EXPERT, "skewed", seed)
+        log_popularity = torch.tensor(sizes, dtype=torch.float64).log()
+    else:
+        raise ValueError(f"routing must be balanced or skewed for token draws, got {routing!r}")
+    if not 1 <= k <= int(torch.isfinite(log_popularity).sum()):
+        raise ValueError(f"{routing} routing over {E} experts cannot give each token {k} distinct experts")
+    gen = torch.Generator().manual_seed(draw_seed)
+    # -log(Exp(1)) is a Gumbel variable: the top k of log p + Gumbel draw k experts without replacement.
+    keys = log_popularity - torch.empty(T, E, dtype=torch.float64).exponential_(generator=gen).log()
+    return keys.topk(k, dim=1).indices
