@@ -59,7 +59,8 @@ def _jax_variable(state, torch_name: str):
     parts = [int(p) if p.isdigit() else p for p in torch_name.split(".")]
     if parts[-2:] == ["router", "weight"]:
         parts[-2:] = ["router_weight"]
-    elif parts[-1] == "weight" and parts[-2] in ("embedding", "lm_head", "qkv", "out", "experts_gate_up", "experts_down"):
+    elif parts[-1] == "weight" and parts[-2] in ("embedding", "lm_head", "qkv", "out", "experts_gate_up",
+                                                 "experts_down"):
         parts.pop()
     for part in parts:
         state = state[part]

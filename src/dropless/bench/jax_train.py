@@ -273,7 +273,8 @@ def run_jax_train(opts: JaxTrainOptions, log: Callable[[str], None] = print) -> 
                 result = method.step()
                 row["first_loss"] = method.loss(result)
                 row["first_step_s"] = time.perf_counter() - start
-                log(f"{name}: first step {row['first_step_s']:.1f} s (compilation, tuning), loss {row['first_loss']:.3f}")
+                log(f"{name}: first step {row['first_step_s']:.1f} s (compilation, tuning), "
+                    f"loss {row['first_loss']:.3f}")
                 for _ in range(opts.warmup_steps):
                     result = method.step()
                 method.wait(result)
