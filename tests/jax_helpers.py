@@ -53,6 +53,16 @@ def assert_close(out: jax.Array, ref: np.ndarray, dtype, what: str) -> None:
     assert err <= REL_TOL[dtype], f"{what}: relative error {err:.3g} > {REL_TOL[dtype]:g} ({np.dtype(dtype).name})"
 
 
+def assert_matches_torch(got, expected, what: str, tol: float) -> None:
+    """A JAX result against a PyTorch tensor: same shape, finite, relative Frobenius error within ``tol``."""
+    got = np.asarray(got, np.float64)
+    ref = expected.detach().double().cpu().numpy()
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
 def assert_rows_close(y: jax.Array, ref: np.ndarray, sizes: Sequence[int], dtype, what: str = "y") -> None:
     """Group by group, and the rows past the last group exactly zero."""
     assert_close(y, ref, dtype, what)

@@ -17,6 +17,7 @@ pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from jax_helpers import assert_matches_torch  # noqa: E402
 
 from dropless.jax.language_model import MoELanguageModel  # noqa: E402
 from dropless.jax.training import decays, lm_loss, lr_schedule, make_optimizer, train_step  # noqa: E402
@@ -36,12 +37,7 @@ TINY = PRESETS["tiny"]
 
 
 def _close(got, expected: torch.Tensor, what: str, tol: float = FP32_TOL) -> None:
-    got = np.asarray(got, np.float64)
-    ref = expected.detach().double().numpy()
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+    assert_matches_torch(got, expected, what, tol)
 
 
 def _torch_model(config: ModelConfig, seed: int) -> TorchModel:

@@ -13,6 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from jax_helpers import assert_matches_torch  # noqa: E402
+
 import dropless  # noqa: E402
 from dropless import jax as djax  # noqa: E402
 
@@ -41,12 +43,7 @@ def _jax(t: torch.Tensor) -> jax.Array:
 
 
 def _close(got, expected: torch.Tensor, what: str, tol: float = 2e-5) -> None:
-    got = np.asarray(got, np.float64)
-    ref = expected.detach().double().numpy()
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+    assert_matches_torch(got, expected, what, tol)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
