@@ -1,5 +1,6 @@
-"""dropless.parallel.dispatch / combine on 2 and 4 CPU processes over gloo, against the same MoE step
-computed in one process from every rank's inputs (each rank draws all ranks' inputs from one seed).
+"""dropless.parallel.dispatch / combine on 2 and 4 CPU processes over gloo (and on 2 and 4 GPUs over
+NCCL), against the same MoE step computed in one process from every rank's inputs (each rank draws all
+ranks' inputs from one seed).
 
 Cases: random routing, a rank with no tokens, every token to one expert (ranks that receive nothing),
 top-k copies that land on the same rank, and bad input raised on every rank together. Each run is
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from multiprocess import rank_device, run_ranks
 
 import dropless
 from dropless.parallel import combine, dispatch
@@ -54,22 +55,23 @@ def _reference(per_rank, experts):
 def _step(rank, world, per_rank, experts, E):
     """This rank's dispatch, local experts and combine; returns outputs and gradients."""
     local = E // world
-    x, idx, w, g = per_rank[rank]
+    device = rank_device()
+    x, idx, w, g = (t.to(device) for t in per_rank[rank])
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    W = experts[rank * local:(rank + 1) * local].clone().requires_grad_()
+    W = experts[rank * local:(rank + 1) * local].clone().to(device).requires_grad_()
     rows, sizes, handle = dispatch(x, idx, w, num_experts=E)
     expected_sizes = sum(torch.bincount(p[1].reshape(-1), minlength=E) for p in per_rank)[rank * local:(rank + 1) * local]
     assert sizes.dtype == torch.int32 and sizes.tolist() == expected_sizes.tolist()
     # Rows by local expert, each expert's in source-rank then (token, slot) order.
     expected_rows = [p[0][(p[1].reshape(-1) == rank * local + e).nonzero().flatten() // p[1].shape[1]]
                      for e in range(local) for p in per_rank]
-    assert torch.equal(rows, torch.cat(expected_rows) if expected_rows else rows)
+    assert torch.equal(rows.cpu(), torch.cat(expected_rows) if expected_rows else rows.cpu())
     bounds = torch.cumsum(sizes, 0).tolist()
     starts = [0] + bounds[:-1]
     y = torch.cat([rows[s:t] @ W[e] for e, (s, t) in enumerate(zip(starts, bounds))]) if local else rows
     out = combine(y, handle)
     (out * g).sum().backward()
-    return out.detach(), x.grad, w.grad, W.grad
+    return out.detach().cpu(), x.grad.cpu(), w.grad.cpu(), W.grad.cpu()
 
 
 def _worker(rank, world, cases):
@@ -119,6 +121,12 @@ CASES_4 = [
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-ranks", "4-ranks"])
 def test_dispatch_combine_match_one_process(world, cases):
     run_ranks(world, _worker, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-gpus", "4-gpus"])
+def test_dispatch_combine_match_one_process_over_nccl(world, cases):
+    run_ranks(world, _worker, cases, backend="nccl")
 
 
 @pytest.mark.parametrize("case", ["indivisible", "out_of_range", "dtype", "width"])

@@ -1,4 +1,5 @@
-"""The expert-parallel MoE layer on 2 and 4 CPU processes over gloo: ``MoE.expert_parallel(group)`` gives,
+"""The expert-parallel MoE layer on 2 and 4 CPU processes over gloo (and on 2 and 4 GPUs over NCCL, fp64 on
+the reference backend there too): ``MoE.expert_parallel(group)`` gives,
 on each rank's tokens, the full layer's outputs and input gradients; its experts' weight gradients
 equal the full layer's for those experts (every rank's tokens contributing); the replicated router's
 and shared experts' gradients, summed over the ranks, equal the full layer's on all the tokens."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from multiprocess import rank_device, run_ranks
 
 import dropless
 
@@ -20,12 +21,14 @@ def _layer(seed: int, E: int, shared: bool) -> dropless.MoE:
 
 
 def _worker(rank, world, tokens, E, shared, seed):
-    full = _layer(seed, E, shared)
+    device = rank_device()
+    dropless.set_backend("reference")  # fp64 on GPUs too: the kernels take 16- and 32-bit floats
+    full = _layer(seed, E, shared).to(device)
     ep = full.expert_parallel()
     assert ep.local_experts == E // world and ep.first_expert == rank * (E // world)
     gen = torch.Generator().manual_seed(seed + 1)
-    x_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64)
-    g_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64)
+    x_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device)
+    g_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device)
     lo = sum(tokens[:rank])
     mine = slice(lo, lo + tokens[rank])
 
@@ -66,6 +69,16 @@ def _bad_group_worker(rank, world):
 ], ids=["2-ranks-shared", "2-ranks-empty-rank", "4-ranks"])
 def test_expert_parallel_layer_matches_the_full_layer(world, tokens, E, shared):
     run_ranks(world, _worker, tokens, E, shared, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, tokens, E, shared", [
+    (2, [9, 14], 4, True),
+    (2, [0, 11], 4, False),
+    (4, [6, 3, 0, 10], 8, True),
+], ids=["2-gpus-shared", "2-gpus-empty-rank", "4-gpus"])
+def test_expert_parallel_layer_matches_the_full_layer_over_nccl(world, tokens, E, shared):
+    run_ranks(world, _worker, tokens, E, shared, 0, backend="nccl")
 
 
 def test_expert_parallel_bad_group():
