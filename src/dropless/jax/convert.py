@@ -29,7 +29,7 @@ _NAMES = {
 }
 _JAX_OPTIONS = ("d_model", "d_ff", "num_experts", "top_k", "score_func", "renormalize", "n_groups", "topk_groups",
                 "routed_scaling", "expert_bias", "bias_update_rate", "aux_loss_coef", "z_loss_coef",
-                "num_shared_experts", "shared_d_ff", "bias", "activation")
+                "num_shared_experts", "shared_d_ff", "bias", "activation", "recompute_activation")
 
 
 def _to_jax(t: torch.Tensor, dtype: Any) -> jnp.ndarray:

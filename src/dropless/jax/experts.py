@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dropless.jax.backend import use_kernels
 from dropless.jax.grouped_mm import grouped_mm
 
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -56,16 +57,28 @@ def add_group_bias(y: jax.Array, bias: jax.Array, group_sizes: jax.Array) -> jax
 
 def gated_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array,
                   activation: str, gate_up_bias: jax.Array | None = None,
-                  down_bias: jax.Array | None = None) -> jax.Array:
+                  down_bias: jax.Array | None = None, recompute_activation: bool = False) -> jax.Array:
     """The experts on ``rows [R, d]`` sorted by expert: ``down(act(gate_up(rows)))`` on the grouped GEMM.
 
     gate_up: ``[E, 2*d_ff, d]`` (gate rows, then up rows) and down: ``[E, d, d_ff]`` in the ``nn.Linear``
-    layout, of rows' dtype; biases ``[E, 2*d_ff]`` and ``[E, d]``. Returns ``[R, d]``.
+    layout, of rows' dtype; biases ``[E, 2*d_ff]`` and ``[E, d]``. Returns ``[R, d]``. With
+    ``recompute_activation`` the activation's output ``[R, d_ff]`` is not saved for the backward but
+    computed again there from the gate/up output (``jax.checkpoint``; the down product's forward, whose
+    result the backward does not need, is not run again).
     """
     h = grouped_mm(rows, gate_up, group_sizes=group_sizes, transposed=True)
     if gate_up_bias is not None:
         h = add_group_bias(h, gate_up_bias, group_sizes)
+    project = _activated_down
+    if recompute_activation:
+        project = jax.checkpoint(project, static_argnums=(4, 5), policy=jax.checkpoint_policies.nothing_saveable)
+    return project(h, down, down_bias, group_sizes, activation, use_kernels())
+
+
+def _activated_down(h: jax.Array, down: jax.Array, down_bias: jax.Array | None, group_sizes: jax.Array,
+                    activation: str, kernels: bool) -> jax.Array:
+    """``down(act(h))`` (+ the per-expert bias) on the grouped GEMM: ``[R, 2*d_ff] -> [R, d]``. ``kernels``
+    (the backend in force) keys jax.checkpoint's cache of this body's traces, one per backend."""
+    del kernels
     y = grouped_mm(glu(h, activation), down, group_sizes=group_sizes, transposed=True)
-    if down_bias is not None:
-        y = add_group_bias(y, down_bias, group_sizes)
-    return y
+    return add_group_bias(y, down_bias, group_sizes) if down_bias is not None else y

@@ -20,23 +20,25 @@ KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 REFERENCE_DTYPES = (*KERNEL_DTYPES, jnp.float64)
 
 
-def _products():
-    """The module whose ``ragged_m`` and ``ragged_k`` run the products traced now."""
-    return kernel_calls if use_kernels() else reference
+def _products(kernels: bool):
+    """The module whose ``ragged_m`` and ``ragged_k`` run the products: the kernels' or the reference's."""
+    return kernel_calls if kernels else reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _mm(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dtype: np.dtype) -> jax.Array:
-    return _products().ragged_m(x, w, offsets, w_nk, out_dtype)
+# ``kernels``, the backend chosen when the call was traced, is a static argument so that JAX's caches of
+# traced functions (custom_vjp's rules, jax.checkpoint's bodies) never reuse a trace of the other one.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _mm(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dtype: np.dtype, kernels: bool) -> jax.Array:
+    return _products(kernels).ragged_m(x, w, offsets, w_nk, out_dtype)
 
 
-def _mm_fwd(x, w, offsets, w_nk, out_dtype):
-    return _mm(x, w, offsets, w_nk, out_dtype), (x, w, offsets)
+def _mm_fwd(x, w, offsets, w_nk, out_dtype, kernels):
+    return _mm(x, w, offsets, w_nk, out_dtype, kernels), (x, w, offsets)
 
 
-def _mm_bwd(w_nk, out_dtype, saved, dy):
+def _mm_bwd(w_nk, out_dtype, kernels, saved, dy):
     x, w, offsets = saved
-    products = _products()
+    products = _products(kernels)
     # The gradient is taken in the operands' dtype (an fp32 result of 16-bit operands comes back in it).
     dy = dy.astype(x.dtype)
     dx = products.ragged_m(dy, w, offsets, not w_nk, x.dtype)
@@ -79,7 +81,7 @@ def _grouped(x: jax.Array, w: jax.Array, offsets: jax.Array, w_nk: bool, out_dty
     if M == 0 or N == 0 or K == 0:
         return jnp.zeros((M, N), out_dtype)  # an empty result, or a product over nothing
     axes = varying_axes(x, w, offsets)
-    return _mm(vary(x, axes), vary(w, axes), vary(offsets.astype(jnp.int32), axes), w_nk, out_dtype)
+    return _mm(vary(x, axes), vary(w, axes), vary(offsets.astype(jnp.int32), axes), w_nk, out_dtype, use_kernels())
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,

@@ -69,8 +69,9 @@ class MoE(nnx.Module):
     Args: as ``dropless.MoE``'s (``d_model``, ``d_ff``, ``num_experts``, ``top_k``, ``score_func``,
     ``renormalize``, ``n_groups``, ``topk_groups``, ``routed_scaling``, ``expert_bias``,
     ``bias_update_rate``, ``aux_loss_coef``, ``z_loss_coef``, ``num_shared_experts``, ``shared_d_ff``,
-    ``bias``, ``activation``), with ``param_dtype`` (the parameters' dtype; the experts compute in the
-    input's dtype, the router in fp32) and ``rngs`` (``nnx.Rngs``, for the initial weights).
+    ``bias``, ``activation``, ``recompute_activation``), with ``param_dtype`` (the parameters' dtype;
+    the experts compute in the input's dtype, the router in fp32) and ``rngs`` (``nnx.Rngs``, for the
+    initial weights).
 
     Expert parallelism: ``ep_axis`` names a mesh axis of P devices (P must divide E) over which the
     experts are spread, device r running experts ``r*E/P .. (r+1)*E/P - 1``. Build and call the layer
@@ -109,7 +110,8 @@ class MoE(nnx.Module):
                  routed_scaling: float = 1.0, expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0, num_shared_experts: int = 0,
                  shared_d_ff: int | None = None, bias: bool = False, activation: str = "swiglu",
-                 param_dtype: Any = jnp.float32, ep_axis: str | None = None, rngs: nnx.Rngs) -> None:
+                 recompute_activation: bool = False, param_dtype: Any = jnp.float32, ep_axis: str | None = None,
+                 rngs: nnx.Rngs) -> None:
         check_routing(num_experts, top_k, score_func, n_groups, topk_groups)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
@@ -120,7 +122,8 @@ class MoE(nnx.Module):
                             topk_groups=topk_groups, routed_scaling=routed_scaling, expert_bias=expert_bias,
                             bias_update_rate=bias_update_rate, aux_loss_coef=aux_loss_coef,
                             z_loss_coef=z_loss_coef, num_shared_experts=num_shared_experts,
-                            shared_d_ff=shared_d_ff, bias=bias, activation=activation)
+                            shared_d_ff=shared_d_ff, bias=bias, activation=activation,
+                            recompute_activation=recompute_activation)
         self.d_model, self.num_experts, self.top_k, self.activation = d_model, num_experts, top_k, activation
         self.ep_axis = ep_axis
         self.deterministic = False  # set by .eval(): no load counting for the expert bias
@@ -178,7 +181,8 @@ class MoE(nnx.Module):
 
     def _experts(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The gated experts on ``rows [R, d]`` sorted by expert, in rows' dtype."""
-        return _gated(rows, group_sizes, self._expert_weights(rows.dtype), self.activation)
+        return _gated(rows, group_sizes, self._expert_weights(rows.dtype), self.activation,
+                      self.options["recompute_activation"])
 
     def _expert_parallel(self, tokens: jax.Array, routing: Routing) -> jax.Array:
         """The routed experts under ``shard_map`` over ``ep_axis``: ``tokens [T, d]`` and their routing
@@ -191,7 +195,8 @@ class MoE(nnx.Module):
 
         def routed(tokens, expert_ids, weights, experts):
             rows, group_sizes, handle = dispatch(tokens, expert_ids, axis, self.num_experts)
-            return combine(_gated(rows, group_sizes, experts, self.activation), handle, weights)
+            return combine(_gated(rows, group_sizes, experts, self.activation, self.options["recompute_activation"]),
+                           handle, weights)
 
         split = PartitionSpec(axis)
         # Every input and the output are split over the axis (nothing replicated, so no gradient is
@@ -232,7 +237,8 @@ class MoE(nnx.Module):
         return moe_to_torch(self, device, dtype)
 
 
-def _gated(rows: jax.Array, group_sizes: jax.Array, experts: dict[str, jax.Array | None], activation: str) -> jax.Array:
+def _gated(rows: jax.Array, group_sizes: jax.Array, experts: dict[str, jax.Array | None], activation: str,
+           recompute_activation: bool) -> jax.Array:
     """``gated_experts`` with the weights of ``MoE._expert_weights``."""
     return gated_experts(rows, group_sizes, experts["experts_gate_up"], experts["experts_down"], activation,
-                         experts["experts_gate_up_bias"], experts["experts_down_bias"])
+                         experts["experts_gate_up_bias"], experts["experts_down_bias"], recompute_activation)
