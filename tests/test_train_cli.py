@@ -156,3 +156,14 @@ def test_train_fp8_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--fp8", "fp4"])
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+def test_train_recompute_activation_flag(tmp_path):
+    """``--recompute-activation`` builds every MoE layer with it and records it in the checkpoint."""
+    text = random_text(tmp_path / "text.txt", 200)
+    out = tmp_path / "run"
+    assert main(["train", "--recompute-activation", "--data", str(text), "--steps", "2", "--batch-size", "2",
+                 "--seq-len", "16", "--out", str(out), "--device", "cpu"]) == 0
+    assert json.loads((out / "summary.json").read_text())["model_config"]["recompute_activation"] is True
+    model = load_model(out / "checkpoint.safetensors", torch.device("cpu"))[0]
+    assert all(block.moe.recompute_activation for block in model.blocks)

@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, help="seed of the initialization and of the batches")
     train.add_argument("--expert-bias", action="store_true",
                        help="add DeepSeek-V3's auxiliary-loss-free balancing (a routing bias nudged every step)")
+    train.add_argument("--recompute-activation", action="store_true",
+                       help="save less for the backward: the experts' SwiGLU output is computed again there")
     train.add_argument("--fp8", choices=GEMM_RECIPES, help="run the experts' GEMMs in FP8 with this recipe "
                        "(on a GPU with FP8 tensor cores: H100, L4, ...; the CPU runs the same numerics)")
     train.add_argument("--ep", type=_positive, default=1,
@@ -128,6 +130,8 @@ def _train(args: argparse.Namespace) -> int:
     device = distributed.resolve_device(args.device, ranks)
     preset = PRESETS[args.preset or ("small" if device.type == "cuda" else "tiny")]
     model_config = dataclasses.replace(preset.model, expert_bias=args.expert_bias or preset.model.expert_bias,
+                                       recompute_activation=args.recompute_activation
+                                       or preset.model.recompute_activation,
                                        fp8=args.fp8 or preset.model.fp8)
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                  "seed": args.seed}

@@ -123,7 +123,8 @@ class Block(nnx.Module):
         self.moe_norm = RMSNorm(config.d_model, param_dtype=param_dtype)
         self.moe = MoE(config.d_model, config.d_ff, config.num_experts, config.top_k,
                        aux_loss_coef=config.aux_loss_coef, z_loss_coef=config.z_loss_coef,
-                       expert_bias=config.expert_bias, param_dtype=param_dtype, rngs=rngs)
+                       expert_bias=config.expert_bias, recompute_activation=config.recompute_activation,
+                       param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attention(self.attention_norm(x), cos, sin)

@@ -63,7 +63,8 @@ class Block(nn.Module):
         self.moe_norm = nn.RMSNorm(config.d_model, eps=1e-5)
         self.moe = MoE(config.d_model, config.d_ff, config.num_experts, config.top_k,
                        aux_loss_coef=config.aux_loss_coef, z_loss_coef=config.z_loss_coef,
-                       expert_bias=config.expert_bias, recipe=config.fp8)
+                       expert_bias=config.expert_bias, recompute_activation=config.recompute_activation,
+                       recipe=config.fp8)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)

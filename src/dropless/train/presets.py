@@ -16,7 +16,9 @@ class ModelConfig:
 
     ``d_ff`` is each expert's hidden width; ``num_experts`` experts, ``top_k`` per token.
     ``aux_loss_coef`` and ``z_loss_coef`` weight the router's load-balancing and z losses in the
-    training loss; ``expert_bias`` adds DeepSeek-V3's auxiliary-loss-free balancing bias. ``fp8``: the
+    training loss; ``expert_bias`` adds DeepSeek-V3's auxiliary-loss-free balancing bias;
+    ``recompute_activation`` keeps the experts' SwiGLU output out of the memory saved for the backward
+    (computed again there). ``fp8``: the
     FP8 recipe of the experts' GEMMs (``"rowwise"``, ``"block128"``, ``"mxfp8"``; None: bf16).
     """
 
@@ -31,6 +33,7 @@ class ModelConfig:
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
     expert_bias: bool = False
+    recompute_activation: bool = False
     fp8: str | None = None
 
     def __post_init__(self) -> None:
