@@ -6,18 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dropless.bench.ep_exchange import PEERS
-from dropless.bench.report import unique
+from dropless.bench.report import optional, unique
 
 BOTH = "dispatch+combine"
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _num(value: float | None) -> str:
     """A rate as shown: one decimal on a GPU, three significant digits for the tiny figures of CPU runs."""
-    return _fmt(value, ".1f" if value is None or abs(value) >= 10 else ".3g")
+    return optional(value, ".1f" if value is None or abs(value) >= 10 else ".3g")
 
 
 def _at(rows: Sequence[dict], **match) -> dict | None:
@@ -69,7 +65,8 @@ def judge_bars(result: dict) -> list[dict]:
             ep = _at(layer, case=case, recipe=recipe, method="dropless_ep")
             one = _at(layer, case=case, recipe=recipe, method="dropless_one_gpu")
             value = ep["weak_scaling"] if ep else None
-            note = f"{_fmt(one and one['ms'], '.2f')} ms on one GPU, {_fmt(ep and ep['ms'], '.2f')} ms on {world}"
+            note = (f"{optional(one and one['ms'], '.2f')} ms on one GPU, "
+                    f"{optional(ep and ep['ms'], '.2f')} ms on {world}")
             out.append({"bar": "weak_scaling", "where": f"{case} {recipe}", "value": value,
                         "threshold": bars["weak_scaling"],
                         "met": value >= bars["weak_scaling"] if value is not None and judged_ws else None,
@@ -97,7 +94,7 @@ def format_bars(result: dict) -> str:
                      + (f"met at {len(met)} of {len(judged)}" if judged else "not judged in this run"))
         for v in mine:
             status = "not judged" if v["met"] is None else ("met" if v["met"] else "NOT MET")
-            value = _num(v["value"]) if bar == "gbps_per_rank" else _fmt(v["value"], ".2f")
+            value = _num(v["value"]) if bar == "gbps_per_rank" else optional(v["value"], ".2f")
             lines.append(f"    {v['where']:<34}{value:>9}  {status:<11} {v['note']}")
     if not verdicts:
         lines.append("  no balanced rows in this run")
@@ -137,9 +134,9 @@ def format_tables(result: dict) -> str:
             mb = [b for b in r["bytes_per_rank"] if b is not None]
             status = "ok" if not r["failed"] else (r["error"] or "FAIL")
             lines.append(f"{r['case']:<9}{r['routing']:<9}{r['method']:<22}{r['pass']:<18}{r['wire'] or '':<13}"
-                         f"{_fmt(r['ms'], '.3f'):>9}{_num(r['gbps_per_rank']):>9}{_num(r['gbps_slowest_rank']):>9}"
+                         f"{optional(r['ms'], '.3f'):>9}{_num(r['gbps_per_rank']):>9}{_num(r['gbps_slowest_rank']):>9}"
                          f"{_num(sum(mb) / len(mb) / 1e6 if mb else None):>10}"
-                         f"{_fmt(r['max_rel_err'], '.1e'):>9}  {status[:70]}")
+                         f"{optional(r['max_rel_err'], '.1e'):>9}  {status[:70]}")
     layer = [r for r in rows if r["part"] == "layer"]
     if layer:
         lines += ["EP MoE layer fwd+bwd (ms: the slowest rank's; TFLOP/s: one GPU's useful expert-GEMM FLOPs; "
@@ -150,9 +147,10 @@ def format_tables(result: dict) -> str:
             counts = [c for c in r["rows_per_rank"] if c is not None]
             span = f"{min(counts)}-{max(counts)}" if counts else "-"
             status = "ok" if not r["failed"] else (r["error"] or "FAIL")
-            lines.append(f"{r['case']:<9}{r['routing']:<9}{r['recipe']:<9}{r['method']:<18}{_fmt(r['ms'], '.2f'):>9}"
-                         f"{_fmt(r['tflops'], '.0f' if (r['tflops'] or 0) >= 10 else '.3g'):>9}"
-                         f"{_fmt(r['weak_scaling'], '.2f'):>7}{span:>16}  {status[:70]}")
+            lines.append(f"{r['case']:<9}{r['routing']:<9}{r['recipe']:<9}{r['method']:<18}"
+                         f"{optional(r['ms'], '.2f'):>9}"
+                         f"{optional(r['tflops'], '.0f' if (r['tflops'] or 0) >= 10 else '.3g'):>9}"
+                         f"{optional(r['weak_scaling'], '.2f'):>7}{span:>16}  {status[:70]}")
     return "\n".join(lines)
 
 
@@ -207,7 +205,7 @@ def plot(result: dict, path: Path) -> bool:
                 if r and r["ms"]:
                     xs.append(i + (j - (len(methods) - 1) / 2) * width)
                     heights.append(r["ms"])
-                    labels.append(_fmt(r["weak_scaling"], ".2f") if r["weak_scaling"] else "")
+                    labels.append(optional(r["weak_scaling"], ".2f") if r["weak_scaling"] else "")
             bars = ax.bar(xs, heights, width, color=f"C{j}", label=method)
             ax.bar_label(bars, labels, fontsize=7, padding=1)
         ax.set_title("EP MoE layer fwd+bwd, bar labels: weak-scaling efficiency", fontsize=9, loc="left")

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dropless.bench import readme
-from dropless.bench.report import headline, unique
+from dropless.bench.report import headline, optional, unique
 
 MOE_START = "<!-- moe-table:start -->"
 MOE_END = "<!-- moe-table:end -->"
@@ -17,10 +17,6 @@ LABELS = {"dense": "dense mm", "dropless": "dropless.MoE", "dropless_recompute":
           "dropless_block128": "dropless.MoE FP8 block128", "dropless_mxfp8": "dropless.MoE FP8 mxfp8"}
 # The issue's bar: dropless.MoE's own memory at most this share of the torch._grouped_mm layer's, at each config.
 LAYER_MEMORY_BAR = 0.75
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _tflops(row: dict) -> str:
@@ -92,11 +88,11 @@ def format_table(result: dict) -> str:
              "FAIL = result off the reference, ERR = raised; dl speedup = this method's ms / dropless's", head]
     for config in unique(rows, "config"):
         for r in (r for r in rows if r["config"] == config):
-            status = "ok" if not r["failed"] else (r["error"] or f"FAIL (err {_fmt(r['max_rel_err'], '.2e')})")
-            lines.append(f"{config:<10}{r['method']:<18}{_fmt(r['ms'], '.3f'):>10}{_tflops(r):>9}"
-                         f"{_fmt(r['fraction_of_dense'], '.2f'):>9}{_fmt(r['peak_gib'], '.2f'):>10}"
-                         f"{_fmt(r.get('layer_gib'), '.2f'):>10}{_fmt(r['max_rel_err'], '.1e'):>12}"
-                         f"{_fmt(_speedup(r, rows), '.2f'):>11}  {status[:70]}")
+            status = "ok" if not r["failed"] else (r["error"] or f"FAIL (err {optional(r['max_rel_err'], '.2e')})")
+            lines.append(f"{config:<10}{r['method']:<18}{optional(r['ms'], '.3f'):>10}{_tflops(r):>9}"
+                         f"{optional(r['fraction_of_dense'], '.2f'):>9}{optional(r['peak_gib'], '.2f'):>10}"
+                         f"{optional(r.get('layer_gib'), '.2f'):>10}{optional(r['max_rel_err'], '.1e'):>12}"
+                         f"{optional(_speedup(r, rows), '.2f'):>11}  {status[:70]}")
     return "\n".join([*lines, format_layer_memory_bar(rows)])
 
 
@@ -122,7 +118,7 @@ def plot(result: dict, path: Path) -> bool:
             if row is not None and row["tflops"] is not None:
                 xs.append(i + (j - (len(methods) - 1) / 2) * width)
                 heights.append(row["tflops"])
-                labels.append(_fmt(row["fraction_of_dense"], ".2f"))
+                labels.append(optional(row["fraction_of_dense"], ".2f"))
         bars = ax.bar(xs, heights, width, color=f"C{j}", label=LABELS.get(method, method))
         ax.bar_label(bars, labels, fontsize=6, padding=1)
     ax.set_ylabel("TFLOP/s (useful GEMM FLOPs, fwd+bwd)")
@@ -154,9 +150,10 @@ def render_table(result: dict, source: str) -> str:
     for config in unique(rows, "config"):
         for n, r in enumerate(r for r in rows if r["config"] == config and r["method"] != "dense"):
             cells = [config_label(result, r) if n == 0 else "", LABELS.get(r["method"], r["method"]),
-                     _fmt(r["ms"], ".1f"), _tflops(r), _fmt(r["fraction_of_dense"], ".2f"), _fmt(r["peak_gib"], ".1f")]
-            cells += [_fmt(r.get("layer_gib"), ".1f")] if layer else []
-            cells.append(_fmt(_speedup(r, rows), ".2f"))
+                     optional(r["ms"], ".1f"), _tflops(r), optional(r["fraction_of_dense"], ".2f"),
+                     optional(r["peak_gib"], ".1f")]
+            cells += [optional(r.get("layer_gib"), ".1f")] if layer else []
+            cells.append(optional(_speedup(r, rows), ".2f"))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

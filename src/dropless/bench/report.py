@@ -64,6 +64,11 @@ def timed_optional_peers(rows: Sequence[dict]) -> tuple[str, ...]:
     return tuple(m for m in OPTIONAL_PEERS if m in timed)
 
 
+def optional(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` where it was not measured."""
+    return "-" if value is None else format(value, spec)
+
+
 def grid_lines(rows: Sequence[dict], methods: Sequence[str], labels: Sequence[str], subject: str,
                peers: Sequence[str], peer_labels: Sequence[str], width: int) -> list[str]:
     """A header and one line per shape x routing x pass that ran: the largest group, each method's TFLOP/s

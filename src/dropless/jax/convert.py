@@ -33,7 +33,7 @@ _JAX_OPTIONS = ("d_model", "d_ff", "num_experts", "top_k", "score_func", "renorm
 
 
 def _to_jax(t: torch.Tensor, dtype: Any) -> jnp.ndarray:
-    t = t.detach().cpu()
+    t = t.detach().cpu()  # sync-ok: weight conversion between frameworks, once, off the training step
     # A copy: on the CPU jnp.asarray may alias the numpy buffer, which in-place updates of the PyTorch
     # tensor would then change under JAX.
     exact = t.dtype in (torch.float32, torch.float64, torch.int32, torch.int64)

@@ -49,8 +49,16 @@ def _on_xla_stream(ctx, buffer) -> Iterator[None]:
             yield
 
 
-def _tensors(*buffers) -> list[torch.Tensor]:
-    return [torch.from_dlpack(b) for b in buffers]
+def _launched(run, shape: tuple[int, ...], out_dtype: np.dtype, *operands: jax.Array) -> jax.Array:
+    """``run(out, *operands)`` on torch views of the buffers, launched on XLA's stream by a buffer callback
+    whose result is ``shape`` in ``out_dtype``."""
+    def launch(ctx, out, *buffers) -> None:
+        with _on_xla_stream(ctx, out):
+            run(torch.from_dlpack(out), *(torch.from_dlpack(b) for b in buffers))
+
+    call = buffer_callback(launch, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
+    # A callback's result varies over no manual axis of a shard_map; its operands' may.
+    return vary(call(*operands), varying_axes(*operands))
 
 
 def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, out_dtype: np.dtype) -> jax.Array:
@@ -61,14 +69,10 @@ def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, o
     """
     N = rhs.shape[1] if rhs_nk else rhs.shape[2]
 
-    def launch(ctx, out, a, b, ends) -> None:
-        with _on_xla_stream(ctx, out):
-            a, b, ends, c = _tensors(a, b, ends, out)
-            run_ragged_m(a, b.transpose(1, 2) if rhs_nk else b, ends, c)
+    def run(c, a, b, ends) -> None:
+        run_ragged_m(a, b.transpose(1, 2) if rhs_nk else b, ends, c)
 
-    call = buffer_callback(launch, jax.ShapeDtypeStruct((lhs.shape[0], N), out_dtype), vmap_method="sequential")
-    # A callback's result varies over no manual axis of a shard_map; its operands' may.
-    return vary(call(lhs, rhs, offsets), varying_axes(lhs, rhs, offsets))
+    return _launched(run, (lhs.shape[0], N), out_dtype, lhs, rhs, offsets)
 
 
 def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.dtype) -> jax.Array:
@@ -78,12 +82,7 @@ def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.d
     lhs: ``[M, K]``; rhs: ``[M, N]`` of lhs's dtype; offsets: int32 ``[G]``. Returns ``[G, K, N]`` in
     ``out_dtype`` (lhs's dtype or float32).
     """
-    shape = (offsets.shape[0], lhs.shape[1], rhs.shape[1])
+    def run(c, a, b, ends) -> None:
+        run_ragged_k(a, b, ends, c, NO_ACCUMULATE, None)
 
-    def launch(ctx, out, a, b, ends) -> None:
-        with _on_xla_stream(ctx, out):
-            a, b, ends, c = _tensors(a, b, ends, out)
-            run_ragged_k(a, b, ends, c, NO_ACCUMULATE, None)
-
-    call = buffer_callback(launch, jax.ShapeDtypeStruct(shape, out_dtype), vmap_method="sequential")
-    return vary(call(lhs, rhs, offsets), varying_axes(lhs, rhs, offsets))
+    return _launched(run, (offsets.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype, lhs, rhs, offsets)
