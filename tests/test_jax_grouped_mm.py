@@ -15,8 +15,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec  # noqa: E402
 from jax_helpers import assert_close, assert_rows_close, oracle_mm, oracle_wgrad, randn  # noqa: E402
 
-import dropless  # noqa: E402
 from dropless import jax as djax  # noqa: E402
+
+# XLA's op at full fp32 (its default on GPUs rounds fp32 operands to TF32; the kernels do not).
+HIGHEST = jax.lax.Precision.HIGHEST
 
 # (sizes, M): zeros, one giant group, sizes no tile divides, rows past the last group, all empty.
 CASES = [
@@ -84,7 +86,7 @@ def test_matches_jax_lax_ragged_dot_and_its_gradient(backend):
     x, w, ct = randn(rng, (M, K), jnp.float32), randn(rng, (4, K, N), jnp.float32), randn(rng, (M, N), jnp.float32)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     ours = jax.vjp(lambda x, w: djax.ragged_dot(x, w, group_sizes), x, w)
-    theirs = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes), x, w)
+    theirs = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, group_sizes, precision=HIGHEST), x, w)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
     for a, b in zip(ours[1](ct), theirs[1](ct)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
@@ -129,7 +131,8 @@ def test_gradients_through_scan_remat_and_vmap_match_xla_s_op(backend):
 
     for f, args in ((stacked, (x, ws)), (batched, (jnp.stack([x, -x]), ws[0]))):
         ours = jax.jit(jax.grad(lambda *a: f(*a, djax.ragged_dot), argnums=(0, 1)))(*args)
-        theirs = jax.grad(lambda *a: f(*a, jax.lax.ragged_dot), argnums=(0, 1))(*args)
+        theirs = jax.grad(lambda *a: f(*a, functools.partial(jax.lax.ragged_dot, precision=HIGHEST)),
+                          argnums=(0, 1))(*args)
         for a, b in zip(ours, theirs):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -176,7 +179,7 @@ def test_gradients_under_shard_map_with_replicated_weights(backend, jit):
 
     grad = jax.grad(loss, argnums=(0, 1))
     dx, dw = (jax.jit(grad) if jit else grad)(x, w, jnp.asarray(sizes, jnp.int32).reshape(-1))
-    expected = jax.grad(lambda x, w: sum((jax.lax.ragged_dot(x[8 * d:8 * d + 8], w, jnp.asarray(s)) ** 2).sum()
+    expected = jax.grad(lambda x, w: sum((jax.lax.ragged_dot(x[8 * d:8 * d + 8], w, jnp.asarray(s), precision=HIGHEST) ** 2).sum()
                                          for d, s in enumerate(sizes)), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(dx, expected[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, expected[1], rtol=1e-5, atol=1e-5)

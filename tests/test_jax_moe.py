@@ -4,6 +4,9 @@ jit/grad composition, and bad input. Both backends (the kernels under Triton's i
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 
 jax = pytest.importorskip("jax")
@@ -39,6 +42,17 @@ def _layers(name: str, seed: int):
     return moe, djax.MoE.from_torch(moe), torch.randn(*tokens, d), torch.randn(*tokens, d)
 
 
+@contextlib.contextmanager
+def _torch_oracle():
+    """The PyTorch layer (CPU tensors) on its reference backend, whichever backend the JAX side takes."""
+    before = dropless.get_backend()
+    dropless.set_backend("reference")
+    try:
+        yield
+    finally:
+        dropless.set_backend(before)
+
+
 def _jax(t: torch.Tensor) -> jax.Array:
     return jnp.asarray(t.detach().numpy())
 
@@ -50,8 +64,9 @@ def _close(got, expected: torch.Tensor, what: str, tol: float = 2e-5) -> None:
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_outputs_losses_and_gradients_equal_the_pytorch_layer(backend, name):
     moe, layer, x, g = _layers(name, seed=len(name))
-    y = moe(x.requires_grad_())
-    (y * g).sum().add(moe.aux_loss).backward()
+    with _torch_oracle():
+        y = moe(x.requires_grad_())
+        (y * g).sum().add(moe.aux_loss).backward()
 
     def loss(layer, x):
         y = layer(x)
@@ -102,7 +117,7 @@ def test_recompute_activation_saves_no_activation_and_runs_no_extra_product(back
         assert (activation in saved) != recompute, saved
         if backend[0] == "triton":
             hlo = jax.jit(nnx.grad(loss)).lower(layer, x).compile().as_text()
-            kernel_calls[recompute] = hlo.count("xla_buffer_python_cpu_callback")
+            kernel_calls[recompute] = len(re.findall(r"xla_buffer_python_[a-z]+_callback", hlo))
     assert kernel_calls.get(True) == kernel_calls.get(False) in (None, 5)
     for name in ("experts_gate_up", "experts_down", "router_weight"):
         np.testing.assert_allclose(getattr(grads[True], name).get_value(), getattr(grads[False], name).get_value(),
@@ -126,7 +141,9 @@ def test_bf16_weights_convert_and_run(backend):
     layer = djax.MoE.from_torch(moe)
     assert layer.experts_gate_up.get_value().dtype == jnp.bfloat16
     y = layer(_jax(x).astype(jnp.bfloat16))
-    _close(y.astype(jnp.float32), moe(x.bfloat16()).float(), "y (bf16)", tol=2e-2)
+    with _torch_oracle():
+        expected = moe(x.bfloat16()).float()
+    _close(y.astype(jnp.float32), expected, "y (bf16)", tol=2e-2)
 
 
 def test_expert_bias_moves_as_in_pytorch_and_eval_does_not_count(reference_backend):

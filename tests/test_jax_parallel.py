@@ -6,7 +6,6 @@ all-to-all, and bad input."""
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dropless.jax.moe import MoE
+from dropless.jax.reference import matmul
 
 if TYPE_CHECKING:  # the config is read by its fields: dropless.jax imports nothing from dropless.train
     from dropless.train.presets import ModelConfig
@@ -47,8 +48,9 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, weight: nnx.Param, dtype: Any) -> jax.Array:
-    """``x @ weight.T`` in ``dtype`` (x and the ``[out, in]`` weight cast to it, as autocast does)."""
-    return x.astype(dtype) @ weight.get_value().astype(dtype).T
+    """``x @ weight.T`` in ``dtype`` (x and the ``[out, in]`` weight cast to it, as autocast does); fp32
+    in full fp32, as PyTorch multiplies it by default (XLA's default on GPUs rounds to TF32)."""
+    return matmul(x.astype(dtype), weight.get_value().astype(dtype).T)
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 from dropless.jax.experts import ACTIVATIONS, gated_experts, glu, permute, unpermute
 from dropless.jax.parallel import combine, dispatch
+from dropless.jax.reference import matmul
 from dropless.jax.routing import Routing, check_routing, route
 
 
@@ -151,7 +152,7 @@ class MoE(nnx.Module):
         options = self.options
         router_weight = self.router_weight.get_value()
         compute = jnp.float64 if jnp.float64 in (tokens.dtype, router_weight.dtype) else jnp.float32
-        logits = tokens.astype(compute) @ router_weight.astype(compute).T
+        logits = matmul(tokens.astype(compute), router_weight.astype(compute).T)
         routing = route(logits, self.top_k, score_func=options["score_func"], renormalize=options["renormalize"],
                         n_groups=options["n_groups"], topk_groups=options["topk_groups"],
                         expert_bias=self.expert_bias.get_value() if self.expert_bias is not None else None,
@@ -162,8 +163,8 @@ class MoE(nnx.Module):
         else:
             y = self._expert_parallel(tokens, routing)
         if self.shared_gate_up is not None:
-            h = tokens @ self.shared_gate_up.get_value().astype(tokens.dtype).T
-            y = y + glu(h, self.activation) @ self.shared_down.get_value().astype(tokens.dtype).T
+            h = matmul(tokens, self.shared_gate_up.get_value().astype(tokens.dtype).T)
+            y = y + matmul(glu(h, self.activation), self.shared_down.get_value().astype(tokens.dtype).T)
         if self.load_since_update is not None and not self.deterministic:
             self.load_since_update.set_value(self.load_since_update.get_value() + routing.tokens_per_expert)
         self.load_balancing_loss.set_value(routing.aux_loss.astype(jnp.float32))

@@ -5,7 +5,8 @@ Each group's product is taken over all the rows with the other groups' rows mask
 time (``jax.lax.scan`` / ``jax.lax.map``): G dense products, the work XLA's own lowering of
 ``jax.lax.ragged_dot`` does, with one ``[M, N]`` product in memory at a time. No ragged op is involved,
 so the products compose with ``jax.vmap`` over any operand (XLA's op batches only when all its operands
-are batched). Sums in fp32 (fp64 for fp64 operands).
+are batched). Sums in fp32 (fp64 for fp64 operands); fp32 operands multiply in full fp32 (XLA's default
+on GPUs would round them to TF32), as the kernels do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dropless.jax.vma import varying_axes, vary
+
+
+def matmul(a: jax.Array, b: jax.Array, preferred_element_type=None) -> jax.Array:
+    """``a @ b`` with fp32 operands multiplied in full fp32, as PyTorch and the kernels do (XLA's default
+    precision on GPUs rounds them to TF32); 16-bit and fp64 operands as XLA's default."""
+    precision = jax.lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype) else None
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def _group_rows(M: int, offsets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -33,7 +41,7 @@ def ragged_m(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, rhs_nk: bool, o
     def group(out: jax.Array, part: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         weight, start, end = part
         mine = ((rows >= start) & (rows < end))[:, None]
-        return out + jnp.where(mine, jnp.matmul(lhs, weight, preferred_element_type=accumulate), 0), None
+        return out + jnp.where(mine, matmul(lhs, weight, accumulate), 0), None
 
     # Under shard_map the carry must vary over the manual axes as the operands do.
     out = vary(jnp.zeros((lhs.shape[0], rhs_kn.shape[2]), accumulate), varying_axes(lhs, rhs, offsets))
@@ -48,6 +56,6 @@ def ragged_k(lhs: jax.Array, rhs: jax.Array, offsets: jax.Array, out_dtype: np.d
     def group(bounds: tuple[jax.Array, jax.Array]) -> jax.Array:
         start, end = bounds
         mine = ((rows >= start) & (rows < end))[:, None]
-        return jnp.matmul(jnp.where(mine, lhs, 0).T, jnp.where(mine, rhs, 0), preferred_element_type=accumulate)
+        return matmul(jnp.where(mine, lhs, 0).T, jnp.where(mine, rhs, 0), accumulate)
 
     return jax.lax.map(group, (starts, ends)).astype(out_dtype)

@@ -250,7 +250,7 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     info = launch_info(a.device, tma)
     hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
     tuner = _RAGGED_M_HOPPER if hopper else _RAGGED_M
-    key = problem_class(a.device, a.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
+    key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
                         M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
@@ -262,7 +262,10 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
             ragged_m_mm(a, b, offsets, out, config, info)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
-    config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))
+    # An fp32 c of 16-bit operands (out_dtype) needs the small tiles' shared memory too: the epilogue
+    # stages a whole fp32 output tile, which beside the default's 4 stages is past the 227 KiB of an SM.
+    element_size = max(a.element_size(), c.element_size())
+    config = config or tuner.choose(key, a.device, element_size, flops, lambda cfg: run(cfg, torch.empty_like(c)))
     run(config)
 
 
