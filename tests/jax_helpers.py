@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import dropless
 
 # Relative Frobenius error allowed against the float64 oracle computed from the same (rounded) inputs.
 REL_TOL = {jnp.float64: 1e-12, jnp.float32: 1e-5, jnp.float16: 5e-3, jnp.bfloat16: 1e-2}
@@ -70,3 +73,15 @@ def assert_rows_close(y: jax.Array, ref: np.ndarray, sizes: Sequence[int], dtype
         if t > s:
             assert_close(y[s:t], ref[s:t], dtype, f"{what} rows of group {g}")
     assert (f64(y[sum(sizes):]) == 0).all(), f"{what}: rows past the last group are not all zero"
+
+
+@contextlib.contextmanager
+def torch_oracle() -> Iterator[None]:
+    """The PyTorch side of a comparison (CPU tensors) on its reference backend, whichever backend the
+    JAX side takes (the Triton one on a GPU cannot take CPU tensors)."""
+    before = dropless.get_backend()
+    dropless.set_backend("reference")
+    try:
+        yield
+    finally:
+        dropless.set_backend(before)

@@ -17,7 +17,7 @@ pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from jax_helpers import assert_matches_torch  # noqa: E402
+from jax_helpers import assert_matches_torch, torch_oracle  # noqa: E402
 
 from dropless.jax.language_model import MoELanguageModel  # noqa: E402
 from dropless.jax.training import decays, lm_loss, lr_schedule, make_optimizer, train_step  # noqa: E402
@@ -70,9 +70,10 @@ def test_logits_losses_and_gradients_equal_the_pytorch_model(backend, name):
     lm = MoELanguageModel.from_torch(model)
     tokens = torch.randint(0, config.vocab_size, (2, 12))
     targets = torch.randint(0, config.vocab_size, (2, 12))
-    logits = model(tokens)
-    loss = torch_lm_loss(logits, targets) + model.aux_loss()
-    loss.backward()
+    with torch_oracle():
+        logits = model(tokens)
+        loss = torch_lm_loss(logits, targets) + model.aux_loss()
+        loss.backward()
 
     def losses(lm, tokens, targets):
         logits = lm(tokens)
@@ -137,7 +138,8 @@ def test_a_jitted_training_step_lowers_the_loss_on_repeated_data():
 def test_bf16_compute_keeps_fp32_parameters_and_stream():
     config = CONFIGS["mixtral"]
     lm = MoELanguageModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    assert lm.attention == "xla"  # cuDNN's attention needs a GPU
+    if jax.default_backend() != "gpu":
+        assert lm.attention == "xla"  # cuDNN's attention needs a GPU
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (3, 10)))
     logits = nnx.jit(lambda lm, t: lm(t))(lm, tokens)
     assert logits.shape == (3, 10, config.vocab_size) and logits.dtype == jnp.bfloat16

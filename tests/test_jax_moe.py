@@ -4,7 +4,6 @@ jit/grad composition, and bad input. Both backends (the kernels under Triton's i
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import pytest
@@ -17,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from jax_helpers import assert_matches_torch  # noqa: E402
+from jax_helpers import assert_matches_torch, torch_oracle  # noqa: E402
 
 import dropless  # noqa: E402
 from dropless import jax as djax  # noqa: E402
@@ -42,17 +41,6 @@ def _layers(name: str, seed: int):
     return moe, djax.MoE.from_torch(moe), torch.randn(*tokens, d), torch.randn(*tokens, d)
 
 
-@contextlib.contextmanager
-def _torch_oracle():
-    """The PyTorch layer (CPU tensors) on its reference backend, whichever backend the JAX side takes."""
-    before = dropless.get_backend()
-    dropless.set_backend("reference")
-    try:
-        yield
-    finally:
-        dropless.set_backend(before)
-
-
 def _jax(t: torch.Tensor) -> jax.Array:
     return jnp.asarray(t.detach().numpy())
 
@@ -64,7 +52,7 @@ def _close(got, expected: torch.Tensor, what: str, tol: float = 2e-5) -> None:
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_outputs_losses_and_gradients_equal_the_pytorch_layer(backend, name):
     moe, layer, x, g = _layers(name, seed=len(name))
-    with _torch_oracle():
+    with torch_oracle():
         y = moe(x.requires_grad_())
         (y * g).sum().add(moe.aux_loss).backward()
 
@@ -141,7 +129,7 @@ def test_bf16_weights_convert_and_run(backend):
     layer = djax.MoE.from_torch(moe)
     assert layer.experts_gate_up.get_value().dtype == jnp.bfloat16
     y = layer(_jax(x).astype(jnp.bfloat16))
-    with _torch_oracle():
+    with torch_oracle():
         expected = moe(x.bfloat16()).float()
     _close(y.astype(jnp.float32), expected, "y (bf16)", tol=2e-2)
 

@@ -108,7 +108,10 @@ class Attention(nnx.Module):
         qkv = linear(x, self.qkv, self.dtype).reshape(B, T, 3, self.n_heads, d // self.n_heads)
         q, k, v = (qkv[:, :, i] for i in range(3))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        # fp32 scores and values multiplied in full fp32, as PyTorch's attention does (XLA's default on
+        # GPUs rounds them to TF32); 16-bit ones are unaffected.
+        with jax.default_matmul_precision("highest"):
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
         return linear(y.reshape(B, T, d), self.out, self.dtype)
 
 
