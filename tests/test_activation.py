@@ -228,6 +228,34 @@ def test_fp64_needs_the_reference_backend(triton_backend):
         swiglu(torch.randn(4, 6, dtype=torch.float64, device=triton_backend))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "wide", "col_major"])
+@pytest.mark.parametrize("activation", list(OPS))
+def test_grad_in_place_writes_the_same_gradient_over_h(activation, layout, backend):
+    """``grad_in_place=True``: dh is, bit for bit, the out-of-place one and lives in h's memory (for a
+    column slice, the columns around it untouched); a second backward through the graph raises instead
+    of reading the overwritten h."""
+    name, device = backend
+    dtype = torch.float32 if name == "triton" else torch.float64
+    h0 = make_h(70, 100, dtype, device, layout)
+    da = torch.randn(70, 100, dtype=dtype, device=device)
+    leaf = h0.detach().clone().requires_grad_()
+    a_ref = OPS[activation](leaf)
+    a_ref.backward(da)
+    # h made inside the graph, as the gate/up product's output is in the layer (a slice, for "wide")
+    x = (h0._base if layout == "wide" else h0).detach().clone().requires_grad_()
+    around = x.detach().clone()
+    h = x[:, 3:203] if layout == "wide" else x * 1.0
+    a = OPS[activation](h, grad_in_place=True)
+    assert torch.equal(a, a_ref)
+    (dh,) = torch.autograd.grad(a, h, da, retain_graph=True)
+    assert torch.equal(dh, leaf.grad)
+    assert dh.data_ptr() == h.data_ptr() and torch.equal(h.detach(), dh)
+    if layout == "wide":
+        assert torch.equal(x.detach()[:, :3], around[:, :3]) and torch.equal(x.detach()[:, 203:], around[:, 203:])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(a, x, da)
+
+
 # ---------------------------------------------------------------------------------------------------
 # torch.compile (reference backend on the CPU: the custom ops' fake impls carry the tracing)
 

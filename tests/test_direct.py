@@ -121,7 +121,8 @@ def test_subclass_takes_the_custom_op(reference_backend):
     torch.testing.assert_close(torch.Tensor(y.detach()), torch.Tensor(ref))
 
 
-def test_swiglu_and_permute_direct_match_custom_ops(backend):
+@pytest.mark.parametrize("grad_in_place", [False, True])
+def test_swiglu_and_permute_direct_match_custom_ops(backend, grad_in_place):
     name, device = backend
     dtype = torch.float32 if name == "triton" else torch.float64
     T, k, d, E = 11, 2, 6, 3
@@ -132,7 +133,7 @@ def test_swiglu_and_permute_direct_match_custom_ops(backend):
     def layer(permute, glu, unpermute):
         x_sorted, slots, _, offsets = permute(x, topk_ids, E)
         h = torch.cat([x_sorted, x_sorted.flip(1)], dim=1)
-        return unpermute(glu(h, "silu"), slots, weights, offsets, T)
+        return unpermute(glu(h, "silu", grad_in_place), slots, weights, offsets, T)
 
     permute_ops, activation_ops = (importlib.import_module(f"dropless.ops.{name}") for name in ("permute", "activation"))
     y_direct = layer(permute_ops._PERMUTE, activation_ops._GLU, permute_ops._UNPERMUTE)

@@ -67,5 +67,5 @@ def _gate(experts: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
 
     default_gate = getattr(type(experts)._apply_gate, "__func__", type(experts)._apply_gate) is _default_apply_gate
     if default_gate and type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation"):
-        return swiglu(h)
+        return swiglu(h, grad_in_place=True)  # h: the gate/up projection's own output, read by nothing else
     return experts._apply_gate(h)

@@ -5,7 +5,9 @@ stacked along the output dimension): ``gate = h[:, :F]``, ``up = h[:, F:]``. Bot
 ``torch.library`` custom op, ``dropless::glu``, with the activation as an argument, a fake
 implementation (``torch.compile`` traces through it) and a registered backward, itself the custom op
 ``dropless::glu_backward``; eager calls on plain tensors skip the dispatcher (``ops.direct``). The
-backward recomputes the activation from h: h is saved, not ``a``.
+backward recomputes the activation from h: h is saved, not ``a``. With ``grad_in_place=True`` it writes
+``dh`` into h's memory (``dropless::glu_backward_into_h``), which the MoE layer uses: its gate/up output
+is read by nothing else in the backward, and the backward's peak holds one ``[M, 2F]`` buffer less.
 
 With ``recipe=`` they also return ``a`` quantized to FP8 along F, the operand the down projection's FP8
 forward reads, written by the activation kernel from the same read of h (``dropless::glu_quantized``,
@@ -26,7 +28,7 @@ from dropless.ops.quantize import _resolve_recipe, empty_quantized
 from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
-def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu(h: torch.Tensor, activation: str, grad_in_place: bool) -> torch.Tensor:
     if not use_triton(h.device):
         return reference.glu(h, activation)
     a = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
@@ -34,12 +36,12 @@ def _glu(h: torch.Tensor, activation: str) -> torch.Tensor:
     return a
 
 
-def _glu_fake(h: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_fake(h: torch.Tensor, activation: str, grad_in_place: bool) -> torch.Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-def _glu_quantized(h: torch.Tensor, activation: str, recipe: str, pow2: bool, mx_rounding: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, recipe: str, pow2: bool,
+                   mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(a, data, scale)``: a as ``_glu``, and a quantized along F with the recipe named ``recipe``."""
     r = get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding)
     if not use_triton(h.device):
@@ -51,8 +53,8 @@ def _glu_quantized(h: torch.Tensor, activation: str, recipe: str, pow2: bool, mx
     return a, data, scale
 
 
-def _glu_quantized_fake(h: torch.Tensor, activation: str, recipe: str, pow2: bool, mx_rounding: str
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_quantized_fake(h: torch.Tensor, activation: str, grad_in_place: bool, recipe: str, pow2: bool,
+                        mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = h.new_empty(h.shape[0], h.shape[1] // 2)
     return a, *empty_quantized(a.shape, get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding), 1, None, h.device)
 
@@ -70,27 +72,50 @@ def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> to
     return h.new_empty(h.shape)
 
 
+def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
+    """``_glu_backward`` written over h: each element pair of h is read before its gradient replaces it
+    (the kernel reads a tile's gate and up columns before it writes theirs)."""
+    if not use_triton(h.device):
+        h.copy_(reference.glu_backward(h, da, activation))
+    else:
+        glu_backward(h, da, h, activation)
+        torch.autograd.graph.increment_version(h)  # what saved h sees it changed, as after h.copy_
+
+
+def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
+    return None
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    h, activation = inputs[:2]
+    h, activation, grad_in_place = inputs[:3]
     ctx.save_for_backward(h)
     ctx.activation = activation
+    ctx.grad_in_place = grad_in_place
     if isinstance(output, tuple):  # glu_quantized: its FP8 copy (data, scale) has no gradient
         ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, da: torch.Tensor, *fp8_grads):
-    """``dh`` from ``da`` alone; every input after h (the activation, a recipe) is not a tensor."""
+    """``dh`` from ``da`` alone; every input after h (the activation, a recipe) is not a tensor. Compiled
+    graphs plan their own buffers: they take the out-of-place op."""
     (h,) = ctx.saved_tensors
-    return _GLU_BACKWARD(h, da, ctx.activation), *([None] * (len(ctx.needs_input_grad) - 1))
+    if ctx.grad_in_place and not torch.compiler.is_compiling():
+        _GLU_BACKWARD_INTO_H(h, da, ctx.activation)
+        dh = h
+    else:
+        dh = _GLU_BACKWARD(h, da, ctx.activation)
+    return dh, *([None] * (len(ctx.needs_input_grad) - 1))
 
 
 _GLU = DirectOp.define("glu", _glu, _glu_fake, backward=_backward, setup_context=_setup_context)
 _GLU_QUANTIZED = DirectOp.define("glu_quantized", _glu_quantized, _glu_quantized_fake, backward=_backward,
                                  setup_context=_setup_context)
 _GLU_BACKWARD = DirectOp.define("glu_backward", _glu_backward, _glu_backward_fake)
+_GLU_BACKWARD_INTO_H = DirectOp.define("glu_backward_into_h", _glu_backward_into_h, _glu_backward_into_h_fake,
+                                       mutates_args=("h",))
 
 
-def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None
+def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_in_place: bool
            ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     check_tensor("h", h)
     quantized = recipe is not None
@@ -99,14 +124,14 @@ def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None
         raise ValueError(f"h must have an even last dimension 2F (the gate and up halves, [M, 2F]), "
                          f"got shape {tuple(h.shape)}")
     if not quantized:
-        return _GLU(h, activation)
+        return _GLU(h, activation, grad_in_place)
     act, _ = operand_recipes(resolve_recipe(recipe))
     act = _resolve_recipe(act, None, None)  # its options checked as dropless.quantize checks them
-    a, data, scale = _GLU_QUANTIZED(h, activation, act.name, act.pow2, act.mx_rounding)
+    a, data, scale = _GLU_QUANTIZED(h, activation, grad_in_place, act.name, act.pow2, act.mx_rounding)
     return a, QuantizedTensor(data, scale, act, 1)
 
 
-def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
+def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False
            ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """SwiGLU on the fused gate+up layout: ``a = silu(h[:, :F]) * h[:, F:]``.
 
@@ -118,6 +143,10 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
             (``"rowwise"``, ``"block128"``, ``"mxfp8"`` or a ``dropless.Recipe``, resolved as the GEMMs
             resolve it: ``"mxfp8"`` by name rounds its scales ``"rceil"``), made by the same kernel from
             the same read of h.
+        grad_in_place: the backward writes ``dh`` into h's memory instead of a new ``[M, 2F]`` tensor
+            (one buffer less at the backward's peak). Only where nothing else reads h in the backward
+            (nothing else saved it, as in the MoE layer, where h is the gate/up product's output); a
+            second backward through the same graph (``retain_graph``) then raises, h having changed.
     Returns:
         ``a [M, F]`` in h's dtype, computed in fp32. Differentiable in h: ``dh [M, 2F]`` in h's
         dtype, recomputed from h in the backward. With a recipe, ``(a, a_fp8)``: ``a_fp8`` is the
@@ -126,15 +155,15 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
         (rowwise) or ``[M, cdiv(F, block)]``, fp32 or float8_e8m0fnu (mxfp8); it carries no gradient.
         No host sync.
     """
-    return _gated(h, "silu", recipe)
+    return _gated(h, "silu", recipe, grad_in_place)
 
 
-def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None
+def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False
           ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """GeGLU (tanh approximation) on the fused gate+up layout: ``a = gelu_tanh(h[:, :F]) * h[:, F:]``.
 
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, as
     ``torch.nn.functional.gelu(g, approximate="tanh")``. Shapes, dtypes, layouts, the FP8 copy with a
-    ``recipe`` and the gradient as ``swiglu``.
+    ``recipe``, ``grad_in_place`` and the gradient as ``swiglu``.
     """
-    return _gated(h, "gelu_tanh", recipe)
+    return _gated(h, "gelu_tanh", recipe, grad_in_place)
