@@ -37,7 +37,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_ROWS = 2**31 - 1  # sorted_to_token_slot and offsets are int32
 
 
-def _sort_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sorted_to_token_slot`` int32 ``[T*k]``, ``group_sizes`` and ``offsets`` int32 ``[E]``, on the
     device. The offsets come from a binary search of the sorted ids (no bincount, which syncs, and
     no atomics)."""
@@ -68,7 +68,7 @@ def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(x.device):
         return reference.permute(x, topk_ids, num_experts)
-    sorted_to_token_slot, group_sizes, offsets = _sort_by_expert(topk_ids, num_experts)
+    sorted_to_token_slot, group_sizes, offsets = sort_by_expert(topk_ids, num_experts)
     k = topk_ids.shape[1]
     x_sorted = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype, device=x.device)
     permute_rows(x, sorted_to_token_slot, offsets, k, x_sorted)

@@ -12,9 +12,12 @@ weights (``topk_weights [T, k]``).
 Both are differentiable: dispatch's backward is an unweighted combine, combine's backward a dispatch of
 the weighted output gradient (and the routing weights' gradient, ``<grad_out[t], y(t, j)>``).
 
-The split sizes of ``all_to_all_single`` live on the host, so the count exchange (a ``[P, E/P]`` table
-per rank) is read back once per dispatch: one host sync, which the backward reuses. On the CPU, gloo
-runs the same algorithm.
+The copies are sorted by expert on the device (``dropless.permute``'s sort), gathered, exchanged, and
+reordered from rank-major to local-expert order by one gather; the weighted sum of combine (and the
+sum of dispatch's backward) is ``dropless.unpermute``: in fp32, in slot order, with no atomics. The
+split sizes of ``all_to_all_single`` live on the host, so the count exchange (a ``[P, E/P]`` table per
+rank) is read back once per dispatch: one host sync, which the backward reuses. On the CPU, gloo runs
+the same algorithm.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
+from dropless.ops.permute import sort_by_expert, unpermute
 from dropless.ops.quantize import quantize
 from dropless.quantized import QuantizedTensor, operand_recipes
 
@@ -33,17 +37,20 @@ from dropless.quantized import QuantizedTensor, operand_recipes
 class DispatchHandle:
     """What ``combine`` and the backward passes need to retrace a dispatch.
 
-    order: ``[T*k]``, the (token, slot) copies sorted by expert (stable), as indices into the flattened
-    ``[T, k]`` routing; send_splits / recv_splits: rows sent to and received from each rank; recv_order:
-    ``[R]``, for each row in local-expert order, its place in the received (rank-major) buffer; weights:
-    the flattened routing weights; tokens: T; top_k: k.
+    slots: int32 ``[T*k]``, the (token, slot) copies ``t*k + j`` sorted by expert (stable), the order
+    they are sent in; offsets: int32 ``[E]``, the cumulative ends of each (global) expert's copies in
+    that order; send_splits / recv_splits: rows sent to and received from each rank; expert_rows:
+    ``[R]``, for each row in local-expert order its place among the received (rank-major) rows;
+    rank_rows: ``[R]``, the inverse; weights: the ``[T, k]`` routing weights; tokens: T; top_k: k.
     """
 
     group: dist.ProcessGroup | None
-    order: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    recv_order: torch.Tensor
+    expert_rows: torch.Tensor
+    rank_rows: torch.Tensor
     weights: torch.Tensor
     tokens: int
     top_k: int
@@ -60,8 +67,19 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def _block_gather(counts: torch.Tensor, src_starts: torch.Tensor, dst_starts: torch.Tensor,
+                  device: torch.device) -> torch.Tensor:
+    """For the rows of blocks laid out one after another (block b: ``counts[b]`` rows from
+    ``dst_starts[b]``), the place of each in another layout of the same blocks (from ``src_starts[b]``).
+    Host ``[B]`` tables in, ``[sum(counts)]`` int64 on ``device`` out; nothing syncs (the size is known)."""
+    total = int(counts.sum())
+    shift = torch.repeat_interleave((src_starts - dst_starts).to(device), counts.to(device), output_size=total)
+    return shift + torch.arange(total, device=device)
+
+
 def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None, x: torch.Tensor):
-    """Sort the copies by expert, count them per (rank, local expert) and exchange the counts.
+    """Sort the copies by expert (on the device), exchange the ``[P, E/P]`` tables of counts, and lay out
+    where each received row goes.
 
     Each rank also sends how many of its ids fall outside ``[0, num_experts)`` and its rows' dtype and
     width, so that every rank raises together on bad input (a rank that raised alone would leave the
@@ -70,17 +88,11 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
     local = num_experts // world
-    ids = topk_idx.reshape(-1).long()
-    bad = (ids < 0) | (ids >= num_experts)
-    ids = ids.clamp(0, num_experts - 1)
-    order = torch.sort(ids, stable=True).indices
-    # scatter_add, not bincount: bincount reads the largest id on the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids)).view(world, local)
+    slots, group_sizes, offsets = sort_by_expert(topk_idx, num_experts)
+    bad = topk_idx.numel() - offsets[-1].long()
     dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
-    facts = torch.stack([bad.sum(), torch.tensor(dtype_code, device=ids.device),
-                         torch.tensor(x.shape[1], device=ids.device)])
-    table = torch.cat([counts, facts.expand(world, 3)], dim=1)
+    facts = torch.stack([bad, torch.tensor(dtype_code, device=bad.device), torch.tensor(x.shape[1], device=bad.device)])
+    table = torch.cat([group_sizes.long().view(world, local), facts.expand(world, 3)], dim=1)
     received = torch.empty_like(table)
     dist.all_to_all_single(received, table, group=group)
     # The one host sync: all_to_all_single takes its splits on the host.
@@ -92,26 +104,42 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
         facts = received[:, local + 1:].tolist()  # sync-ok: host tensor, bad input only
         kinds = [(str(_DTYPES[c]) if c < len(_DTYPES) else "other", int(d)) for c, d in facts]
         raise ValueError(f"x must have one dtype and width on every rank of the group, got (dtype, d) {kinds}")
-    recv_table = received[:, :local]
+    recv_table = received[:, :local]  # [source rank, local expert]
     send_splits = table[:, :local].sum(1).tolist()  # sync-ok: host tensors (read back above)
     recv_splits = recv_table.sum(1).tolist()  # sync-ok: host tensors
-    # Received rows come rank-major, each rank's sorted by local expert: a stable sort by expert makes
-    # them expert-major, each expert's rows in rank order.
-    expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(world), recv_table.flatten())
-    recv_order = torch.sort(expert_of_row, stable=True).indices
-    group_sizes = recv_table.sum(0).to(torch.int32)
-    return order, send_splits, recv_splits, recv_order.to(topk_idx.device), group_sizes.to(topk_idx.device)
+    # Received rows come rank-major, each rank's sorted by local expert; the experts read them
+    # expert-major, each expert's rows in rank order. Each (rank, expert) block's start in both layouts:
+    rank_major = recv_table.flatten()
+    rank_starts = rank_major.cumsum(0) - rank_major
+    expert_major = recv_table.t().flatten()
+    expert_starts = (expert_major.cumsum(0) - expert_major).view(local, world).t().flatten()
+    device = topk_idx.device
+    expert_rows = _block_gather(expert_major, rank_starts.view(world, local).t().flatten(),
+                                expert_starts.view(world, local).t().flatten(), device)
+    rank_rows = _block_gather(rank_major, expert_starts, rank_starts, device)
+    sizes = recv_table.sum(0).to(torch.int32).to(device)
+    return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes
+
+
+def _to_experts(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Rows in the sending order (``handle.slots``) to their experts' ranks, in local-expert order there."""
+    received = _exchange(rows, handle.send_splits, handle.recv_splits, handle.group)
+    return received.index_select(0, handle.expert_rows)
+
+
+def _to_sources(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Rows in local-expert order back to the ranks that sent them, in their sending order."""
+    return _exchange(rows.index_select(0, handle.rank_rows), handle.recv_splits, handle.send_splits, handle.group)
 
 
 def _send_rows(t: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """``t``'s rows (one per token) to the ranks of the dispatch's copies, in local-expert order."""
-    received = _exchange(t[handle.order // handle.top_k], handle.send_splits, handle.recv_splits, handle.group)
-    return received[handle.recv_order]
+    return _to_experts(t.index_select(0, handle.slots // handle.top_k), handle)
 
 
 class _Dispatch(torch.autograd.Function):
     """Forward: the copies of x's rows, or (``sent`` given) rows already sent, e.g. the dequantized values
-    of FP8 rows; backward: each token's copies' gradients summed back at its rank."""
+    of FP8 rows; backward: each token's copies' gradients sent back and summed in fp32 at its rank."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, handle: DispatchHandle, sent: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,45 +149,23 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         h = ctx.handle
-        back = grad.new_empty(grad.shape)
-        back[h.recv_order] = grad
-        rows = _exchange(back, h.recv_splits, h.send_splits, h.group)
-        grad_x = grad.new_zeros((h.tokens, *grad.shape[1:]))
-        grad_x.index_add_(0, h.order // h.top_k, rows)
-        return grad_x, None, None
+        rows = _to_sources(grad, h)
+        ones = torch.ones(h.tokens, h.top_k, dtype=torch.float32, device=rows.device)
+        return unpermute(rows, h.slots, ones, h.offsets), None, None
 
 
-class _Combine(torch.autograd.Function):
+class _Return(torch.autograd.Function):
+    """Forward: expert outputs back to their sources, in the sending order; backward: their gradients
+    to the experts again."""
+
     @staticmethod
-    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        back = y.new_empty(y.shape)
-        back[handle.recv_order] = y
-        rows = _exchange(back, handle.recv_splits, handle.send_splits, handle.group)  # in handle.order
+    def forward(ctx, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         ctx.handle = handle
-        ctx.save_for_backward(rows, weights)
-        # Weighted and summed in fp32 (or wider), as the one-process unpermute does.
-        wide = torch.promote_types(rows.dtype, torch.float32)
-        w = weights.reshape(-1)[handle.order].to(wide)
-        out = rows.new_zeros((handle.tokens, *rows.shape[1:]), dtype=wide)
-        out.index_add_(0, handle.order // handle.top_k, rows.to(wide) * w.view(-1, *([1] * (rows.dim() - 1))))
-        return out.to(rows.dtype)
+        return _to_sources(y, handle)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h = ctx.handle
-        rows, weights = ctx.saved_tensors
-        token = h.order // h.top_k
-        wide = torch.promote_types(rows.dtype, torch.float32)
-        g = grad[token].to(wide)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w_flat = weights.new_zeros(weights.numel())
-            grad_w_flat[h.order] = (g * rows.to(wide)).flatten(1).sum(1).to(weights.dtype)
-            grad_w = grad_w_flat.view_as(weights)
-        w = weights.reshape(-1)[h.order].to(wide)
-        weighted = (g * w.view(-1, *([1] * (g.dim() - 1)))).to(rows.dtype)
-        sent = _exchange(weighted, h.send_splits, h.recv_splits, h.group)
-        return sent[h.recv_order], grad_w, None
+        return _to_experts(grad, ctx.handle), None
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -196,8 +202,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
-    order, send, recv, recv_order, group_sizes = _route(topk_idx, num_experts, group, x)
-    handle = DispatchHandle(group, order, send, recv, recv_order, topk_weights, x.shape[0], topk_idx.shape[1])
+    slots, offsets, send, recv, expert_rows, rank_rows, group_sizes = _route(topk_idx, num_experts, group, x)
+    handle = DispatchHandle(group, slots, offsets, send, recv, expert_rows, rank_rows, topk_weights, x.shape[0],
+                            topk_idx.shape[1])
     if recipe is None:
         return _Dispatch.apply(x, handle), group_sizes, handle
     act, _ = operand_recipes(resolve_recipe(recipe))
@@ -219,6 +226,6 @@ def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     Returns:
         ``[T, d']`` in y's dtype.
     """
-    if y.shape[0] != len(handle.recv_order):
-        raise ValueError(f"y must have the {len(handle.recv_order)} rows dispatch returned, got {y.shape[0]}")
-    return _Combine.apply(y, handle.weights, handle)
+    if y.shape[0] != len(handle.expert_rows):
+        raise ValueError(f"y must have the {len(handle.expert_rows)} rows dispatch returned, got {y.shape[0]}")
+    return unpermute(_Return.apply(y, handle), handle.slots, handle.weights, handle.offsets)
