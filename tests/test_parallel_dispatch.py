@@ -123,6 +123,17 @@ def test_dispatch_combine_match_one_process(world, cases):
     run_ranks(world, _worker, cases)
 
 
+def _kernel_backend_worker(rank, world, cases):
+    """The Triton backend (Triton's interpreter on CPU processes), whose unpermute kernel takes no fp64
+    rows: the weighted sums of these fp64 rows take the reference's torch ops, as on a GPU."""
+    dropless.set_backend("triton")
+    _worker(rank, world, cases)
+
+
+def test_dispatch_combine_on_the_kernel_backend_match_one_process():
+    run_ranks(2, _kernel_backend_worker, CASES_2[:2])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-gpus", "4-gpus"])
 def test_dispatch_combine_match_one_process_over_nccl(world, cases):

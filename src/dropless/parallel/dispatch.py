@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dropless import reference
+from dropless.backend import use_triton
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
 from dropless.ops.permute import sort_by_expert, unpermute
 from dropless.ops.quantize import quantize
@@ -121,6 +123,14 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes
 
 
+def _weighted_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``dropless.unpermute``; for rows its kernel does not take (fp64 on a GPU), the reference's torch
+    ops (differentiable by autograd)."""
+    if rows.dtype == torch.float64 and use_triton(rows.device):
+        return reference.unpermute(rows, slots, weights, offsets)
+    return unpermute(rows, slots, weights, offsets)
+
+
 def _to_experts(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Rows in the sending order (``handle.slots``) to their experts' ranks, in local-expert order there."""
     received = _exchange(rows, handle.send_splits, handle.recv_splits, handle.group)
@@ -151,7 +161,7 @@ class _Dispatch(torch.autograd.Function):
         h = ctx.handle
         rows = _to_sources(grad, h)
         ones = torch.ones(h.tokens, h.top_k, dtype=torch.float32, device=rows.device)
-        return unpermute(rows, h.slots, ones, h.offsets), None, None
+        return _weighted_sum(rows, h.slots, ones, h.offsets), None, None
 
 
 class _Return(torch.autograd.Function):
@@ -228,4 +238,4 @@ def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """
     if y.shape[0] != len(handle.expert_rows):
         raise ValueError(f"y must have the {len(handle.expert_rows)} rows dispatch returned, got {y.shape[0]}")
-    return unpermute(_Return.apply(y, handle), handle.slots, handle.weights, handle.offsets)
+    return _weighted_sum(_Return.apply(y, handle), handle.slots, handle.weights, handle.offsets)
