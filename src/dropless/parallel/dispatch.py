@@ -69,14 +69,11 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _block_gather(counts: torch.Tensor, src_starts: torch.Tensor, dst_starts: torch.Tensor,
-                  device: torch.device) -> torch.Tensor:
-    """For the rows of blocks laid out one after another (block b: ``counts[b]`` rows from
-    ``dst_starts[b]``), the place of each in another layout of the same blocks (from ``src_starts[b]``).
-    Host ``[B]`` tables in, ``[sum(counts)]`` int64 on ``device`` out; nothing syncs (the size is known)."""
-    total = int(counts.sum())
-    shift = torch.repeat_interleave((src_starts - dst_starts).to(device), counts.to(device), output_size=total)
-    return shift + torch.arange(total, device=device)
+def _block_gather(counts: torch.Tensor, shifts: torch.Tensor, total: int) -> torch.Tensor:
+    """For the rows of blocks laid out one after another (block b: ``counts[b]`` rows), the place of each in
+    another layout of the same blocks, ``shifts[b]`` rows away: ``[total]`` int64 on the tables' device;
+    nothing syncs (the size is known)."""
+    return torch.repeat_interleave(shifts, counts, output_size=total) + torch.arange(total, device=counts.device)
 
 
 def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None, x: torch.Tensor):
@@ -91,9 +88,11 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
     local = num_experts // world
     slots, group_sizes, offsets = sort_by_expert(topk_idx, num_experts)
-    bad = topk_idx.numel() - offsets[-1].long()
     dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
-    facts = torch.stack([bad, torch.tensor(dtype_code, device=bad.device), torch.tensor(x.shape[1], device=bad.device)])
+    # Filled on the device: a host tensor copied in would wait for the stream (a pageable copy syncs).
+    facts = torch.full((3,), x.shape[1], dtype=torch.int64, device=offsets.device)
+    facts[0] = topk_idx.numel() - offsets[-1].long()
+    facts[1] = dtype_code
     table = torch.cat([group_sizes.long().view(world, local), facts.expand(world, 3)], dim=1)
     received = torch.empty_like(table)
     dist.all_to_all_single(received, table, group=group)
@@ -115,12 +114,19 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     rank_starts = rank_major.cumsum(0) - rank_major
     expert_major = recv_table.t().flatten()
     expert_starts = (expert_major.cumsum(0) - expert_major).view(local, world).t().flatten()
-    device = topk_idx.device
-    expert_rows = _block_gather(expert_major, rank_starts.view(world, local).t().flatten(),
-                                expert_starts.view(world, local).t().flatten(), device)
-    rank_rows = _block_gather(rank_major, expert_starts, rank_starts, device)
-    sizes = recv_table.sum(0).to(torch.int32).to(device)
-    return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes
+    # One copy of the small tables to the device: the local group sizes, then per block (rank-major) its
+    # rows and how far it moves, then the same expert-major. From pageable memory a copy that does not
+    # block returns once the host buffer is staged, so the stream does not wait for it.
+    def em(t: torch.Tensor) -> torch.Tensor:  # a rank-major [P * E/P] table in expert-major order
+        return t.view(world, local).t().flatten()
+
+    tables = torch.cat([recv_table.sum(0), rank_major, expert_starts - rank_starts, expert_major,
+                        em(rank_starts) - em(expert_starts)]).to(topk_idx.device, non_blocking=True)
+    sizes, rank_counts, rank_shifts, expert_counts, expert_shifts = tables.split([local] + [world * local] * 4)
+    total = int(rank_major.sum())
+    expert_rows = _block_gather(expert_counts, expert_shifts, total)
+    rank_rows = _block_gather(rank_counts, rank_shifts, total)
+    return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes.to(torch.int32)
 
 
 def _weighted_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
