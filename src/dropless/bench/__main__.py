@@ -284,7 +284,9 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _readme(args: argparse.Namespace) -> int:
-    paths = args.results or [p for kind in ("gemm", "fp8", "moe") for p in sorted(RESULTS.glob(f"{kind}-*.json"))]
+    # The training shapes' tables first, the decode shapes' after them.
+    paths = args.results or [p for kind in ("gemm", "fp8", "moe")
+                             for p in sorted(RESULTS.glob(f"{kind}-*.json"), key=lambda p: ("decode" in p.name, p.name))]
     try:
         results = [(p.name, read_json(p)) for p in paths]
     except (OSError, ValueError) as exc:
