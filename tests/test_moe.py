@@ -87,11 +87,16 @@ def test_moe_matches_loop(backend, name):
     assert rel_err(moe.router.weight.grad, params["router"].grad) <= REL_TOL[dtype]
 
 
+RECOMPUTE = {"activation": {"recompute_activation": True}, "permute": {"recompute_permute": True},
+             "both": {"recompute_activation": True, "recompute_permute": True}}
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE))
 @pytest.mark.parametrize("name", ["mixtral_like", "bias_shared", "k8"])
-def test_recompute_activation_keeps_gradients_and_drops_the_saved_activation(backend, name, monkeypatch):
-    """With recompute_activation the gradients are bit for bit those without it (the per-expert bias
-    sums on the GPU to their rounding), and the activation's output is no longer alive after the
-    forward (nothing saved it)."""
+def test_recompute_keeps_gradients_and_drops_what_it_recomputes(backend, name, recompute, monkeypatch):
+    """With recompute_activation / recompute_permute the outputs and gradients are bit for bit those
+    without (the per-expert bias sums on the GPU to their rounding), and the activation's output / the
+    permuted token copies are no longer alive after the forward (nothing saved them)."""
     import weakref
 
     from dropless.nn import moe as moe_module
@@ -101,19 +106,25 @@ def test_recompute_activation_keeps_gradients_and_drops_the_saved_activation(bac
     case = CASES[name]
     x = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
     dy = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
-    outputs, made = {}, []
-    swiglu = moe_module.ACTIVATIONS["swiglu"]
-    monkeypatch.setitem(moe_module.ACTIVATIONS, "swiglu", lambda h, **kw: made.append(a := swiglu(h, **kw)) or a)
-    for recompute in (False, True):
+    outputs, made = {}, {"activation": [], "permute": []}
+    swiglu, permute = moe_module.ACTIVATIONS["swiglu"], moe_module.permute
+    monkeypatch.setitem(moe_module.ACTIVATIONS, "swiglu",
+                        lambda h, **kw: made["activation"].append(a := swiglu(h, **kw)) or a)
+    monkeypatch.setattr(moe_module, "permute", lambda *args: made["permute"].append(r := permute(*args)) or r)
+    for options in ({}, RECOMPUTE[recompute]):
         torch.manual_seed(0)
-        moe = _build(case | {"recompute_activation": recompute}, dtype, device)
-        made.clear()
+        moe = _build(case | options, dtype, device)
+        for made_list in made.values():
+            made_list.clear()
         x_in = x.clone().requires_grad_()
         y = moe(x_in)
-        activation = weakref.ref(made.pop(0))
-        assert (activation() is None) == recompute, f"recompute_activation={recompute}: saved activation alive?"
+        alive = {"activation": weakref.ref(made["activation"].pop(0)),
+                 "permute": weakref.ref(made["permute"].pop(0)[0])}
+        for what, ref in alive.items():
+            dropped = options.get(f"recompute_{what}", False)
+            assert (ref() is None) == dropped, f"{options}: the {what} output alive after the forward: {not dropped}"
         y.backward(dy)
-        outputs[recompute] = {"y": y.detach(), "x.grad": x_in.grad} | {
+        outputs[bool(options)] = {"y": y.detach(), "x.grad": x_in.grad} | {
             f"{name}.grad": p.grad for name, p in moe.named_parameters()}
     for name, plain in outputs[False].items():
         recomputed = outputs[True][name]
@@ -122,6 +133,31 @@ def test_recompute_activation_keeps_gradients_and_drops_the_saved_activation(bac
             torch.testing.assert_close(recomputed, plain, rtol=1e-6, atol=1e-6, msg=name)
         else:
             assert torch.equal(plain, recomputed), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_recompute_permute_lowers_the_backward_peak_by_the_permuted_copies():
+    """On the GPU the step's peak memory falls by about one [T*k, d] buffer: the recomputed copies and the
+    gate/up product's input gradient are never alive together."""
+    T, d, d_ff, E, k = 4096, 1024, 256, 16, 8
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    peaks = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        moe = MoE(d, d_ff, E, k, recompute_permute=recompute, device="cuda", dtype=torch.bfloat16)
+        x_in = x.clone().requires_grad_()
+        moe(x_in).sum().backward()  # warm-up: tuning, caches
+        moe.zero_grad(set_to_none=True)
+        x_in.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        moe(x_in).sum().backward()
+        torch.cuda.synchronize()
+        peaks[recompute] = torch.cuda.max_memory_allocated() - base
+    copies = T * k * d * 2
+    assert peaks[False] - peaks[True] >= 0.9 * copies, (peaks, copies)
 
 
 def test_moe_keeps_shape_and_reports_losses(reference_backend):

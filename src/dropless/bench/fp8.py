@@ -10,6 +10,7 @@ measured in the same run (a device-to-device copy, bytes read + written).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,8 +121,8 @@ def quantization_rows(opts: Fp8Options, bandwidth: float | None) -> list[dict]:
         recipe = operand_recipes(get_recipe(name))[1]
         for E in QUICK_WEIGHT_EXPERTS if opts.quick else WEIGHT_EXPERTS:
             w = torch.randn(E, N, K, device=opts.device, dtype=opts.dtype).transpose(1, 2)
-            rows.append(_quantization_row(opts, bandwidth, lambda: dropless.quantize_weight(w, recipe), w.numel(), 2,
-                                          recipe.name, operand="weight", E=E, K=K, N=N))
+            rows.append(_quantization_row(opts, bandwidth, lambda w=w: dropless.quantize_weight(w, recipe), w.numel(),
+                                          2, recipe.name, operand="weight", E=E, K=K, N=N))
             del w
     for shape in select_shapes(opts.shapes, opts.quick):
         x = torch.randn(shape.M, shape.K, device=opts.device, dtype=opts.dtype)
@@ -130,11 +131,10 @@ def quantization_rows(opts: Fp8Options, bandwidth: float | None) -> list[dict]:
             offsets = torch.tensor(sizes, device=opts.device).cumsum(0).to(torch.int32)
             for name in GEMM_RECIPES:
                 keys = dict(operand="activation", shape=shape.name, E=shape.E, M=shape.M, K=shape.K, routing=routing)
-                rows.append(_quantization_row(opts, bandwidth, lambda: dropless.quantize(x, name, dim=1), x.numel(),
-                                              1, name, dim=1, **keys))
-                rows.append(_quantization_row(opts, bandwidth,
-                                              lambda: dropless.quantize(x, name, dim=0, offsets=offsets),
-                                              x.numel(), 1, name, dim=0, **keys))
+                along_k = functools.partial(dropless.quantize, x, name, dim=1)
+                per_group = functools.partial(dropless.quantize, x, name, dim=0, offsets=offsets)
+                rows.append(_quantization_row(opts, bandwidth, along_k, x.numel(), 1, name, dim=1, **keys))
+                rows.append(_quantization_row(opts, bandwidth, per_group, x.numel(), 1, name, dim=0, **keys))
         del x
     return rows
 

@@ -78,6 +78,7 @@ METHODS: dict[str, Builder] = {
     "dense": Dense,
     "dropless": build_dropless,
     "dropless_recompute": lambda cfg, w: build_dropless(cfg, w, recompute_activation=True),
+    "dropless_recompute_all": lambda cfg, w: build_dropless(cfg, w, recompute_activation=True, recompute_permute=True),
     "torch_grouped_mm": build_torch_grouped_mm,
     "hf_grouped_mm": lambda cfg, w: build_hf(cfg, w, "grouped_mm"),
     "hf_eager": lambda cfg, w: build_hf(cfg, w, "eager"),

@@ -140,14 +140,16 @@ def _fp32_route(x: torch.Tensor, router: torch.Tensor, k: int, renormalize: bool
 # dropless
 
 
-def build_dropless(cfg: LayerConfig, w: Weights, recipe: str | None = None, recompute_activation: bool = False) -> Built:
+def build_dropless(cfg: LayerConfig, w: Weights, recipe: str | None = None, recompute_activation: bool = False,
+                   recompute_permute: bool = False) -> Built:
     """``dropless.MoE`` with the shared weights (router included; ``aux_loss_coef=0``), its expert GEMMs in
-    FP8 with ``recipe`` when given, its activation recomputed in the backward with ``recompute_activation``."""
+    FP8 with ``recipe`` when given, and the layer's recompute options."""
     from dropless.nn.moe import MoE
 
     moe = MoE(cfg.d, cfg.d_ff, cfg.E, cfg.k, score_func="softmax", renormalize=cfg.renormalize,
               aux_loss_coef=0.0, num_shared_experts=1 if cfg.shared_d_ff else 0,
               shared_d_ff=cfg.shared_d_ff or None, recipe=recipe, recompute_activation=recompute_activation,
+              recompute_permute=recompute_permute,
               device=w.x.device, dtype=w.x.dtype)
     params = {"router": moe.router.weight, "gate_up": moe.experts_gate_up.weight, "down": moe.experts_down.weight}
     if moe.shared_experts is not None:

@@ -11,6 +11,7 @@ from dropless.bench.report import headline, optional, unique
 MOE_START = "<!-- moe-table:start -->"
 MOE_END = "<!-- moe-table:end -->"
 LABELS = {"dense": "dense mm", "dropless": "dropless.MoE", "dropless_recompute": "dropless.MoE, recompute_activation",
+          "dropless_recompute_all": "dropless.MoE, recompute_activation + recompute_permute",
           "torch_grouped_mm": "torch._grouped_mm layer",
           "hf_grouped_mm": "transformers grouped_mm", "hf_eager": "transformers eager",
           "hf_dropless": "transformers + dropless", "dropless_rowwise": "dropless.MoE FP8 rowwise",
@@ -49,12 +50,13 @@ def _own_gib(row: dict | None) -> float | None:
 
 
 def layer_memory_ratios(rows: Sequence[dict]) -> dict[str, float]:
-    """Per config: dropless.MoE's own memory (``_own_gib``; with ``recompute_activation`` where that was run
-    and is the smaller) over the torch._grouped_mm layer's, where both were measured."""
+    """Per config: dropless.MoE's own memory (``_own_gib``; the smallest of the plain layer and its
+    recompute options, of those run) over the torch._grouped_mm layer's, where both were measured."""
     at = {(r["config"], r["method"]): r for r in rows}
     out = {}
     for config in unique(rows, "config"):
-        ours = [m for m in (_own_gib(at.get((config, name))) for name in ("dropless", "dropless_recompute"))
+        ours = [m for m in (_own_gib(at.get((config, name))) for name in ("dropless", "dropless_recompute",
+                                                                             "dropless_recompute_all"))
                 if m is not None]
         peer = _own_gib(at.get((config, "torch_grouped_mm")))
         if ours and peer:

@@ -31,9 +31,11 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, offsets, accumulate = ctx.saved_tensors
         main_grad = ctx.main_grad
-        dx = grouped_mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
-        # main_grad[e] [out, in] = dy_e^T @ x_e: the ragged-K product with dy as the left operand.
+        # main_grad[e] [out, in] = dy_e^T @ x_e: the ragged-K product with dy as the left operand. Before
+        # dx, and x dropped first: a recomputed x (the MoE layer's recompute_permute) and dx never coexist.
         grouped_mm_wgrad(dy, x, offsets, out=main_grad, accumulate=accumulate)
+        del x
+        dx = grouped_mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         return dx, None, None, None, None

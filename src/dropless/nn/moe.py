@@ -64,6 +64,12 @@ class MoE(nn.Module):
             saved for the backward, and compute it again from the gate/up output there (as Megatron's
             option of that name); the gradients are the same. BF16/FP16 experts (with a recipe the
             down product saves its own FP8 copies).
+        recompute_permute: keep the permuted token copies ``x_sorted [T*k, d_model]`` out of the memory
+            saved for the backward: the gate/up product's weight gradient gathers them again from the
+            tokens, and its input gradient (a buffer of the same size) is made after that, so the two
+            never coexist; one more gather of ``T*k*d_model`` elements a step, the same gradients.
+            BF16/FP16 experts on one process (with a recipe the product saves FP8 copies; with an
+            ``ep_group`` the rows come from other ranks).
         recipe: run the expert GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"``; see
             GroupedLinear); the router and the shared experts stay in the input's dtype (router: fp32).
         ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
@@ -85,7 +91,8 @@ class MoE(nn.Module):
                  bias_update_rate: float = 1e-3, aux_loss_coef: float = 1e-2, z_loss_coef: float = 0.0,
                  num_shared_experts: int = 0, shared_d_ff: int | None = None, bias: bool = False,
                  activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
-                 recompute_activation: bool = False, recipe: str | Recipe | None = None,
+                 recompute_activation: bool = False, recompute_permute: bool = False,
+                 recipe: str | Recipe | None = None,
                  ep_group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         # The layer's options, from which expert_parallel() builds the same layer over a group.
@@ -106,6 +113,7 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.activation = activation
         self.recompute_activation = recompute_activation
+        self.recompute_permute = recompute_permute
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         factory = {"device": device, "dtype": dtype}
@@ -133,7 +141,14 @@ class MoE(nn.Module):
         if self.ep_group is None:
             x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids,
                                                                            self.num_experts)
-            y = unpermute(self._experts(x_sorted, group_sizes), sorted_to_token_slot, routing.weights, offsets)
+            if self.recompute_permute and self.experts_gate_up.recipe is None:
+                # Every id is a valid expert here, so x_sorted[p] is the token row of its slot.
+                copies = sorted_to_token_slot // self.top_k
+                with recomputed(x_sorted, lambda: tokens.index_select(0, copies)):
+                    y_sorted = self._experts(x_sorted, group_sizes)
+            else:
+                y_sorted = self._experts(x_sorted, group_sizes)
+            y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets)
         else:
             # With a recipe, token rows travel in FP8 (quantized once, at their rank) and the gate/up
             # product reads them as they come.

@@ -120,7 +120,6 @@ def _setup_context(ctx, inputs, output) -> None:
 def _ragged_m_backward(ctx, dy: torch.Tensor):
     a, b, offsets = ctx.saved_tensors
     dy = dy.to(a.dtype)
-    da = RAGGED_M(dy, b.transpose(1, 2), offsets, None) if ctx.needs_input_grad[0] else None
     db = None
     if ctx.needs_input_grad[1]:
         # Give db the layout of b: nn.Linear-layout weights viewed as [G, K, N] get [G, N, K] storage.
@@ -128,6 +127,10 @@ def _ragged_m_backward(ctx, dy: torch.Tensor):
             db = RAGGED_K(dy.t(), a, offsets, None).transpose(1, 2)
         else:
             db = RAGGED_K(a.t(), dy, offsets, None)
+    # da after db, a dropped first: where a was saved as the recipe that makes it again (the MoE layer's
+    # recompute_permute), a and da, of one size, are never alive together.
+    del a
+    da = RAGGED_M(dy, b.transpose(1, 2), offsets, None) if ctx.needs_input_grad[0] else None
     return da, db, None, None
 
 

@@ -129,7 +129,8 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes.to(torch.int32)
 
 
-def _weighted_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
     """``dropless.unpermute``; for rows its kernel does not take (fp64 on a GPU), the reference's torch
     ops (differentiable by autograd)."""
     if rows.dtype == torch.float64 and use_triton(rows.device):
