@@ -99,6 +99,53 @@ def test_grouped_linear_skips_quantizing_x_along_k(device, monkeypatch):
     assert calls == ["pair"]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_linear_gather_gives_the_permuted_rows_bits(device, recipe):
+    """``gather=(sorted_to_token_slot, k)`` on the tokens: the bits of the layer on permute's rows, forward
+    and backward (the tokens' gradient summing their copies as permute's backward does), with an expert
+    that gets no rows, while the permuted rows in x's dtype are never made."""
+    plain, gathered = _layer_pair(recipe, device, bias=True)
+    T, k = 37, 2
+    ids = torch.randint(0, 3, (T, k), device=device)
+    ids[:, 0] = torch.where(ids[:, 0] == 1, 0, ids[:, 0])
+    ids[:, 1] = torch.where(ids[:, 1] == 1, 2, ids[:, 1])  # expert 1 gets no rows
+    x = torch.randn(T, D_FF, device=device, dtype=torch.bfloat16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x_sorted, slots, sizes, _ = permute(x1, ids, 3)
+    y1 = plain.to(torch.bfloat16)(x_sorted, sizes)
+    y2 = gathered.to(torch.bfloat16)(x2, sizes, gather=(slots, k))
+    assert_same_bits(y2, y1, "y")
+    dy = torch.randn_like(y1)
+    y1.backward(dy)
+    y2.backward(dy)
+    assert_same_bits(x2.grad, x1.grad, "dx")
+    assert_same_bits(gathered.weight.grad, plain.weight.grad, "dw")
+    assert_same_bits(gathered.bias.grad, plain.bias.grad, "dbias")
+
+
+def test_gather_errors_name_the_argument():
+    dropless.set_backend("reference")
+    layer = dropless.GroupedLinear(2, D_FF, 32, recipe="rowwise")
+    x = torch.randn(10, D_FF)
+    slots = torch.arange(20, dtype=torch.int32)
+    layer(x, [12, 8], gather=(slots, 2))
+    cases = [
+        (dict(gather=(slots, 2), x_quantized=dropless.quantize(x, "rowwise", dim=-1)), ValueError,
+         r"^gather and x_quantized"),
+        (dict(gather=(slots[:19], 2)), ValueError, r"^gather's sorted_to_token_slot must be an int32/int64 \[T\*top_k\]"),
+        (dict(gather=(slots.float(), 2)), ValueError, r"^gather's sorted_to_token_slot"),
+        (dict(gather=(slots, 0)), TypeError, r"^gather must be \(sorted_to_token_slot, top_k\)"),
+        (dict(gather=slots), TypeError, r"^gather must be"),
+    ]
+    for kwargs, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            layer(x, [12, 8], **kwargs)
+    with pytest.raises(ValueError, match=r"^group_sizes sum to 21, more than the M=20 rows"):
+        layer(x, [13, 8], gather=(slots, 2))
+    with pytest.raises(ValueError, match=r"^gather needs a layer with a recipe"):
+        dropless.GroupedLinear(2, D_FF, 32)(x, [12, 8], gather=(slots, 2))
+
+
 def test_x_quantized_errors_name_the_argument():
     dropless.set_backend("reference")
     layer = dropless.GroupedLinear(2, D_FF, 32, recipe="mxfp8")  # resolved to rceil scales, as GEMMs take it

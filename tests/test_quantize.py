@@ -414,6 +414,51 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("sizes, M", [
+    ([0, 70, 0, 80, 50], 200),  # empty groups, sizes not divisible by 32 or 128
+    ([190], 200),  # one giant group, 10 rows past offsets[-1]
+    ([0, 0, 0], 37),  # no rows in any group
+    ([33, 1, 130, 31, 5], 200),  # starts at every phase of the blocks
+])
+def test_rows_by_index_give_the_gathered_operand_bits(backend, name, opts, sizes, M):
+    """``quantize(x, ..., rows=idx)`` is ``quantize(x[idx], ...)`` bit for bit: the permuted copies of a
+    layer's tokens (each token several times, some not at all), read by index."""
+    _, device = backend
+    x = planted((61, 72), torch.float32, device)
+    rows = torch.randint(0, 61, (M,), device=device)
+    offsets = offsets_of(sizes, device)
+    q = dropless.quantize(x, name, 0, offsets, rows=rows, **opts)
+    assert q.tokens == M
+    assert_same(q, *reference_q(x[rows], name, opts, 0, offsets), f"{name} {sizes}")
+
+
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
+def test_rows_kernel_writes_every_element(name):
+    recipe = get_recipe(name)
+    x = planted((23, 40), torch.float32, KERNEL_DEVICE)
+    rows = torch.randint(0, 23, (77,), device=KERNEL_DEVICE)
+    offsets = offsets_of([0, 30, 0, 25], KERNEL_DEVICE)
+    data, scale = empty_quantized((77, 40), recipe, 0, 4, KERNEL_DEVICE)
+    quantize_along(x, poison(data), poison(scale), recipe, 0, offsets, rows)
+    assert_same(QuantizedTensor(data, scale, recipe, 0), *reference.quantize(x[rows].cpu(), recipe, 0, offsets.cpu()))
+
+
+def test_rows_errors_name_the_argument():
+    x = torch.randn(10, 16)
+    offsets = torch.tensor([4, 12], dtype=torch.int32)
+    rows = torch.arange(12) % 10
+    cases = [
+        (dict(rows=rows), ValueError, r"^rows needs offsets"),
+        (dict(offsets=offsets, rows=rows.float()), ValueError, r"^rows must be a 1D int32/int64 tensor"),
+        (dict(offsets=offsets, rows=rows[None]), ValueError, r"^rows must be a 1D int32/int64 tensor"),
+        (dict(offsets=offsets, rows=[0, 1]), TypeError, r"rows"),
+    ]
+    for kwargs, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            dropless.quantize(x, "rowwise", 0, **kwargs)
+
+
 @pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("dim, sizes, M", [
     (1, None, 77), (0, None, 77), (0, [0, 30, 0, 25], 77), (0, [0, 0], 0), (0, None, 0), (1, None, 0),

@@ -140,12 +140,12 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 
 @triton.jit
 def _tile_kernel(
-    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, offsets_ptr,
+    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, offsets_ptr, rows_ptr,
     R, C, E, SLOTS, SCALE_ROWS_R, DATA_ROWS_R,
     stride_xb, stride_xr, stride_xc,
     ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
-    EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_POW2: tl.constexpr,
 ):
     """Quantize one tile of ``x [BATCH, R, C]`` along R and/or C.
@@ -155,6 +155,7 @@ def _tile_kernel(
     data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise);
     data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
+    GATHER: row i of the quantized operand is row ``rows_ptr[i]`` of x (R rows, read by index).
     """
     pid = tl.program_id(0)
     batch = pid // SLOTS
@@ -203,8 +204,14 @@ def _tile_kernel(
     group64 = group.to(tl.int64)
     row64 = row0.to(tl.int64)
     col64 = col0.to(tl.int64)
-    x_tile = x + batch64 * stride_xb + row64 * stride_xr + col64 * stride_xc
-    v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & reads, other=0.0).to(tl.float32)
+    if GATHER:
+        source = tl.load(rows_ptr + row64 + r, mask=row_ok & reads, other=0).to(tl.int64)
+        x_rows = x + batch64 * stride_xb + source[:, None] * stride_xr
+        v = tl.load(x_rows + (col64 + c)[None, :] * stride_xc, mask=mask & reads, other=0.0).to(tl.float32)
+    else:
+        x_tile = x + batch64 * stride_xb + row64 * stride_xr + col64 * stride_xc
+        v = tl.load(x_tile + r[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask & reads,
+                    other=0.0).to(tl.float32)
     data_r_tile = data_r + (batch64 * C + col64) * DATA_ROWS_R + out_row0.to(tl.int64)
     data_c_tile = data_c + (batch64 * R + row64) * C + col64  # storage [BATCH, R, C]
 
@@ -354,12 +361,16 @@ def _raw(scale: torch.Tensor) -> torch.Tensor:
 
 def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | None = None,
                   scale_r: torch.Tensor | None = None, data_c: torch.Tensor | None = None,
-                  scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> None:
+                  scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> None:
     """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
     ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe writes its
     one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
-    amax buffers it allocates."""
+    amax buffers it allocates. ``rows`` (int ``[R']``): the operand is ``x[:, rows]``, read by index
+    (R' rows; along R per group only)."""
     BATCH, R, C = x.shape
+    if rows is not None:
+        R = rows.shape[0]
     along_r, along_c = data_r is not None, data_c is not None
     grouped = offsets is not None
     block_r, block_c, num_warps = _tile_shape(recipe, along_r, along_c, grouped)
@@ -378,20 +389,21 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
         _tile_kernel[grid](
             x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
-            x if offsets is None else offsets,
+            x if offsets is None else offsets, x if rows is None else rows,
             R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
             ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
             BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
-            WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r))),
+            WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r, R))),
+            GATHER=rows is not None,
             BLOCK_R=block_r, BLOCK_C=block_c, E_POW2=next_power_of_2(E + 1),
             num_warps=num_warps,
         )
 
 
 def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe, dim: int,
-                   offsets: torch.Tensor | None = None) -> None:
+                   offsets: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
     """Write ``x`` quantized along ``dim`` into ``data`` and ``scale``; arguments are already checked by
     the caller.
 
@@ -406,11 +418,13 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     device: nothing syncs. Every element of data and scale is written. Rowwise along the last dim of a
     2D x reads each row block twice in one program; other rowwise cases run two launches over a zeroed
     int32 amax buffer they allocate (``[E or 1, K]`` along the tokens).
+    rows: int32/int64 ``[M']`` (2D x, dim 0 with offsets): quantize ``x[rows]`` (data and scale shaped for
+    M' rows), each row read by index from x: the permuted rows of a layer, never written in x's dtype.
     """
     launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if dim == x.dim() - 2:
-        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets)
+        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows)
     elif recipe.block is not None or x.dim() == 3:
         _launch_tiles(x3, recipe, data_c=data, **{"scale_r" if recipe.tile else "scale_c": scale})
     elif x.shape[0] > 0:

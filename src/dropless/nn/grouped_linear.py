@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dropless.ops.autocast import autocast_operands
+from dropless.ops.checks import check_same_device
 from dropless.ops.group_bias import add_group_bias
 from dropless.ops.grouped_mm import grouped_mm, grouped_mm_wgrad
 from dropless.ops.grouped_mm_fp8 import Fp8GroupedMM, resolve_recipe
@@ -145,7 +146,8 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
                 wgrad_accumulation_mask: torch.Tensor | None = None,
-                x_quantized: QuantizedTensor | None = None) -> torch.Tensor:
+                x_quantized: QuantizedTensor | None = None,
+                gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         """Apply expert e to its rows.
 
         Args:
@@ -163,13 +165,20 @@ class GroupedLinear(nn.Module):
                 quantizing x. It must hold x's values as the layer reads them (after autocast); its
                 layout is checked, its values are not. x itself is still needed: the weight
                 gradient quantizes it along the tokens.
+            gather: with a recipe, ``(sorted_to_token_slot, top_k)`` as ``dropless.permute`` returns
+                them (int ``[M]``, M = T * top_k, and k): x is then the ``[T, in_features]`` tokens and
+                row p of the product is token ``sorted_to_token_slot[p] // top_k``, the permuted row
+                that is never made: x is quantized along in_features once and its FP8 rows gathered,
+                the weight gradient reads the rows by index, and x's gradient sums each token's copies
+                (in fp32, as permute's backward). ``group_sizes`` count the M rows.
         Returns:
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a tensor of shape [M, in_features={self.in_features}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        offsets = self._offsets(group_sizes, x)
+        rows = x.shape[0] if gather is None else self._check_gather(gather, x, x_quantized)
+        offsets = self._offsets(group_sizes, x, rows)
         if wgrad_accumulation_mask is not None and not self.fuse_wgrad_accumulation:
             raise ValueError("wgrad_accumulation_mask needs fuse_wgrad_accumulation=True")
         fused = self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
@@ -180,7 +189,7 @@ class GroupedLinear(nn.Module):
         if x_quantized is not None:
             self._check_x_quantized(x_quantized, x)
         if self.recipe is not None:
-            y = self._forward_fp8(x, offsets, accumulate if fused else None, x_quantized)
+            y = self._forward_fp8(x, offsets, accumulate if fused else None, x_quantized, gather)
         else:
             x, weight = autocast_operands(x, self.weight)
             if fused:
@@ -208,22 +217,42 @@ class GroupedLinear(nn.Module):
                              f"so a copy quantized from x as given would differ; pass x in {cast.dtype}")
 
     def _forward_fp8(self, x: torch.Tensor, offsets: torch.Tensor, accumulate: torch.Tensor | None,
-                     x_quantized: QuantizedTensor | None) -> torch.Tensor:
+                     x_quantized: QuantizedTensor | None, gather: tuple[torch.Tensor, int] | None) -> torch.Tensor:
         """The FP8 product with the cached weight copies; x quantized from the autocast dtype, unless
-        its copy ``x_quantized`` (already checked) is given."""
+        its copy ``x_quantized`` (already checked) is given; ``gather`` (checked): x's rows by slot."""
         (x,) = autocast_operands(x)
         wk, wn = self.weight_cache.get(self.weight, self.recipe)
         main_grad = self.weight.main_grad.transpose(1, 2) if accumulate is not None else None
         xq = (x_quantized.data, x_quantized.scale) if x_quantized is not None else (None, None)
         y = Fp8GroupedMM.apply(x, self.weight.transpose(1, 2), offsets, wk.data, wk.scale, wn.data, wn.scale,
-                               self.recipe, main_grad, accumulate, *xq)
+                               self.recipe, main_grad, accumulate, *xq, *(gather or (None, None)))
         if accumulate is not None and hasattr(self.weight, "grad_added_to_main_grad"):
             self.weight.grad_added_to_main_grad = True
         return y
 
-    def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _check_gather(self, gather: object, x: torch.Tensor, x_quantized: QuantizedTensor | None) -> int:
+        """``gather`` is ``(sorted_to_token_slot [T*k], k)`` for the tokens x, on an FP8 layer; returns the
+        product's rows, T*k."""
+        if self.recipe is None:
+            raise ValueError("gather needs a layer with a recipe (an FP8 GroupedLinear); a BF16 layer takes the "
+                             "permuted rows (dropless.permute)")
+        if x_quantized is not None:
+            raise ValueError("gather and x_quantized cannot be given together: with gather the layer quantizes "
+                             "the tokens once itself")
+        if not (isinstance(gather, tuple) and len(gather) == 2 and isinstance(gather[0], torch.Tensor)
+                and isinstance(gather[1], int) and not isinstance(gather[1], bool) and gather[1] >= 1):
+            raise TypeError("gather must be (sorted_to_token_slot, top_k): an int tensor [T*top_k] and an int >= 1")
+        slots, top_k = gather
+        if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64) or slots.shape[0] != x.shape[0] * top_k:
+            raise ValueError(f"gather's sorted_to_token_slot must be an int32/int64 [T*top_k] = [{x.shape[0] * top_k}] "
+                             f"tensor for x's {x.shape[0]} tokens, got {slots.dtype} of shape {tuple(slots.shape)}")
+        check_same_device(x.device, sorted_to_token_slot=slots)
+        return slots.shape[0]
+
+    def _offsets(self, group_sizes: Sequence[int] | torch.Tensor, x: torch.Tensor, rows: int) -> torch.Tensor:
         """int32 ``[E]`` cumulative ends of ``group_sizes`` on x's device; sizes given on the host as a
-        sequence are checked against x's rows here (tensors are left to the device-side validation)."""
+        sequence are checked against the product's ``rows`` here (tensors are left to the device-side
+        validation)."""
         sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
         if sizes.shape != (self.num_experts,):
             raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}] (one size per expert), got "
@@ -232,8 +261,8 @@ class GroupedLinear(nn.Module):
             values = [int(size) for size in group_sizes]  # host values: no sync
             if min(values) < 0:
                 raise ValueError(f"group_sizes must not be negative, got {values}")
-            if sum(values) > x.shape[0]:
-                raise ValueError(f"group_sizes sum to {sum(values)}, more than the M={x.shape[0]} rows of x "
+            if sum(values) > rows:
+                raise ValueError(f"group_sizes sum to {sum(values)}, more than the M={rows} rows of x "
                                  f"(got {values})")
         return torch.cumsum(sizes.to(x.device, non_blocking=True), 0).to(torch.int32)
 

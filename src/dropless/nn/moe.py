@@ -10,7 +10,7 @@ from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
-from dropless.ops.permute import permute, unpermute
+from dropless.ops.permute import permute, sort_by_expert, unpermute
 from dropless.parallel import combine, dispatch
 from dropless.quantized import QuantizedTensor, Recipe
 
@@ -68,10 +68,12 @@ class MoE(nn.Module):
             saved for the backward: the gate/up product's weight gradient gathers them again from the
             tokens, and its input gradient (a buffer of the same size) is made after that, so the two
             never coexist; one more gather of ``T*k*d_model`` elements a step, the same gradients.
-            BF16/FP16 experts on one process (with a recipe the product saves FP8 copies; with an
-            ``ep_group`` the rows come from other ranks).
+            BF16/FP16 experts on one process (with a recipe the permuted rows are never made: the
+            gate/up product gathers FP8 rows; with an ``ep_group`` the rows come from other ranks).
         recipe: run the expert GEMMs in FP8 (``"rowwise"``, ``"block128"``, ``"mxfp8"``; see
             GroupedLinear); the router and the shared experts stay in the input's dtype (router: fp32).
+            The tokens are quantized once and their copies move as FP8 rows and scales
+            (``GroupedLinear``'s ``gather``).
         ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
             ``r*E/P .. (r+1)*E/P - 1`` (P must divide E); router and shared experts are replicated, and
             token copies travel to their experts' ranks and back (``dropless.parallel.dispatch`` and
@@ -138,10 +140,16 @@ class MoE(nn.Module):
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         routing = self.router(tokens)
-        if self.ep_group is None:
+        if self.ep_group is None and self.experts_gate_up.recipe is not None:
+            # FP8: the permute moves FP8 rows and their scales (the gate/up product quantizes the tokens
+            # once and gathers them); the permuted rows are never made in x's dtype.
+            sorted_to_token_slot, group_sizes, offsets = sort_by_expert(routing.expert_ids, self.num_experts)
+            y_sorted = self._experts(tokens, group_sizes, gather=(sorted_to_token_slot, self.top_k))
+            y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets)
+        elif self.ep_group is None:
             x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids,
                                                                            self.num_experts)
-            if self.recompute_permute and self.experts_gate_up.recipe is None:
+            if self.recompute_permute:
                 # Every id is a valid expert here, so x_sorted[p] is the token row of its slot.
                 copies = sorted_to_token_slot // self.top_k
                 with recomputed(x_sorted, lambda: tokens.index_select(0, copies)):
@@ -165,11 +173,12 @@ class MoE(nn.Module):
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
 
-    def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor,
-                 rows_fp8: QuantizedTensor | None = None) -> torch.Tensor:
+    def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor, rows_fp8: QuantizedTensor | None = None,
+                 gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``;
-        ``rows_fp8``: the rows already quantized for the gate/up product's forward."""
-        h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8)
+        ``rows_fp8``: the rows already quantized for the gate/up product's forward; ``gather``: rows are
+        the tokens and the product's rows their copies by slot (``GroupedLinear``'s gather)."""
+        h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8, gather=gather)
         activation = ACTIVATIONS[self.activation]
         # h is read by nothing else in the backward (the recomputation of a, where asked for, comes first,
         # in the down projection's backward): the activation's backward writes dh over it, one [R, 2 d_ff]

@@ -26,6 +26,7 @@ from dropless.kernels.launch import weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
+from dropless.ops.permute import unpermute
 from dropless.ops.quantize import check_quantized, quantize, quantize_pair, quantize_weight
 from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
@@ -120,6 +121,31 @@ def quantized_wgrad(xq: QuantizedTensor, dyq: QuantizedTensor, offsets: torch.Te
     return out
 
 
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t[rows]`` for FP8 data and scales, one-byte ones moved as bytes (index ops take no float8)."""
+    if t.element_size() != 1:
+        return t.index_select(0, rows)
+    return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
+
+
+def _gather_rows_fake(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(rows.shape[0], *t.shape[1:])
+
+
+# A custom op, so that compiled graphs keep it whole (inductor has no code for e8m0 scales on the CPU).
+GATHER_ROWS = DirectOp.define("fp8_gather_rows", _gather_rows, _gather_rows_fake)
+
+
+def _gathered_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, rows: torch.Tensor, along_tokens: bool
+                         ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """``x[rows]`` quantized along K (x's T rows quantized once, their FP8 rows and scales gathered) and,
+    where asked, per group along the tokens (each row read by index); ``x[rows]`` itself is never made."""
+    tokens = quantize(x, act, dim=1)
+    data, scale = GATHER_ROWS(tokens.data, rows), GATHER_ROWS(tokens.scale, rows)
+    along = quantize(x, act, dim=0, offsets=offsets, rows=rows) if along_tokens else None
+    return QuantizedTensor(data, scale, act, 1), along
+
+
 def _quantize_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, along_k: bool, along_tokens: bool
                          ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
     """``x [M, K]`` quantized along K (every row) and per group along the tokens, each only where asked
@@ -140,24 +166,34 @@ class Fp8GroupedMM(torch.autograd.Function):
     (optional): x already quantized along K with the recipe's activation recipe, by the kernel that
     produced x (``swiglu(h, recipe=...)``); the forward then reads them instead of quantizing x along
     K. x is still what the weight gradient quantizes along the tokens.
+
+    ``slots, top_k`` (optional, ``dropless.permute``'s ``sorted_to_token_slot`` and k): x is the ``[T, K]``
+    tokens and row p of the product is token ``slots[p] // top_k`` (permute's rows, never made): x is
+    quantized along K once, its FP8 rows and scales gathered, and quantized along the tokens reading
+    the rows by index; x's gradient sums each token's copies in fp32 (``dropless.unpermute``).
     """
 
     @staticmethod
     def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate,
-                xq_data=None, xq_scale=None):
+                xq_data=None, xq_scale=None, slots=None, top_k=None):
         act, _ = operand_recipes(recipe)
         wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
-        # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand: with x's
-        # copy along K from one read (blockwise), or after the product is done with that copy (rowwise,
-        # two launches anyway), so the two never coexist.
-        one_read = act.block is not None
-        xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad and one_read)
+        rows = None if slots is None else slots // top_k
+        if rows is not None:
+            xq, xt = _gathered_activation(x, act, offsets, rows, wants_wgrad)
+        else:
+            # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand: with
+            # x's copy along K from one read (blockwise), or after the product is done with that copy
+            # (rowwise, two launches anyway), so the two never coexist.
+            one_read = act.block is not None
+            xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad and one_read)
         if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
         y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
         del xq, xq_data, xq_scale
         if wants_wgrad and xt is None:
             xt = quantize(x, act, dim=0, offsets=offsets)
+        ctx.slots, ctx.tokens, ctx.top_k = slots, x.shape[0], top_k
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
         ctx.main_grad = main_grad
@@ -181,6 +217,9 @@ class Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
+            if ctx.slots is not None:
+                ones = torch.ones(ctx.tokens, ctx.top_k, dtype=torch.float32, device=dx.device)
+                dx = unpermute(dx, ctx.slots, ones, offsets)
         del dyq
         if ctx.wants_wgrad and dyt is None:
             dyt = quantize(dy, act, dim=0, offsets=offsets)
@@ -191,7 +230,7 @@ class Fp8GroupedMM(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 dw = quantized_wgrad(xt, dyt, offsets, recipe, None, None, False, ctx.w_dtype, ctx.w_nk)
                 dw = dw.transpose(1, 2) if ctx.w_nk else dw
-        return dx, dw, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, *([None] * 12)
 
 
 def _fp8_capable(device: torch.device) -> None:

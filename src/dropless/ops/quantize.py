@@ -57,21 +57,29 @@ def _recipe_of(name: str, pow2: bool, mx_rounding: str) -> Recipe:
     return replace(RECIPES[name], pow2=pow2, mx_rounding=mx_rounding)
 
 
+def _operand_shape(x: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, ...]:
+    """The quantized operand's shape: x's, or that of ``x[rows]``."""
+    return tuple(x.shape) if rows is None else (rows.shape[0], *x.shape[1:])
+
+
 def _quantize(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
-              mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale)`` of x quantized along dim (non-negative) with the recipe named ``recipe``."""
+              mx_rounding: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of x (or ``x[rows]``) quantized along dim (non-negative) with the recipe named
+    ``recipe``."""
     r = _recipe_of(recipe, pow2, mx_rounding)
     if not use_triton(x.device):
-        return reference.quantize(x, r, dim, offsets)
-    data, scale = empty_quantized(x.shape, r, dim, None if offsets is None else offsets.shape[0], x.device)
-    quantize_along(x, data, scale, r, dim, offsets)
+        return reference.quantize(x if rows is None else x.index_select(0, rows), r, dim, offsets)
+    data, scale = empty_quantized(_operand_shape(x, rows), r, dim, None if offsets is None else offsets.shape[0],
+                                  x.device)
+    quantize_along(x, data, scale, r, dim, offsets, rows)
     return data, scale
 
 
 def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
-                   mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   mx_rounding: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r = _recipe_of(recipe, pow2, mx_rounding)
-    return empty_quantized(x.shape, r, dim, None if offsets is None else offsets.shape[0], x.device)
+    return empty_quantized(_operand_shape(x, rows), r, dim, None if offsets is None else offsets.shape[0],
+                           x.device)
 
 
 def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
@@ -156,18 +164,19 @@ def _check_offsets(offsets: object, device: torch.device) -> None:
     check_same_device(device, offsets=offsets)
 
 
-def _group_offsets(offsets: torch.Tensor, x: torch.Tensor, r: Recipe) -> torch.Tensor:
-    """``offsets`` (already checked as a tensor) as int32, checked against a 2D ``x [M, K]`` quantized per
-    group along its tokens with ``r``."""
+def _group_offsets(offsets: torch.Tensor, M: int, r: Recipe) -> torch.Tensor:
+    """``offsets`` (already checked as a tensor) as int32, checked against the ``M`` rows of an operand
+    quantized per group along its tokens with ``r``."""
     if r.tile:
         raise ValueError("recipe block128x128 cannot restart its 128x128 tiles at group boundaries: "
                          "offsets are not supported with it (use block128 along the tokens)")
-    validate_offsets(offsets, x.shape[0])
+    validate_offsets(offsets, M)
     return offsets.to(torch.int32)
 
 
 def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
-             pow2: bool | None = None, mx_rounding: str | None = None) -> QuantizedTensor:
+             pow2: bool | None = None, mx_rounding: str | None = None, rows: torch.Tensor | None = None
+             ) -> QuantizedTensor:
     """Quantize ``x`` to FP8 along ``dim``: ``x ~= data * scale``, one scale per block of the recipe.
 
     Args:
@@ -181,12 +190,15 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
             Not with block128x128. Read on the device.
         pow2: round fp32 scales up to powers of two (rowwise, block128, block128x128).
         mx_rounding: mxfp8's scale exponent, ``"floor"`` (OCP MX, the default) or ``"rceil"``.
+        rows: with ``offsets``, int32/int64 ``[M']`` on x's device, each in ``[0, M)`` (not checked: that
+            would sync): quantize ``x[rows]`` (``[M', K]``) without making it, each row read by index, as
+            the weight gradient of a layer reads its permuted token copies from the tokens.
     Returns:
-        A ``QuantizedTensor``: data float8_e4m3fn of x's shape with unit stride along dim (dim 0 of a
-        2D x: a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view of ``[K, Mp]``
-        storage with ``Mp = 128 * (cdiv(M, 128) + E)``, each group starting 128-aligned, zeros between),
-        scale contiguous, fp32 or float8_e8m0fnu, as ``dropless.quantized`` lays them out; offsets kept as
-        int32, and M as ``tokens``. No host sync on the Triton backend.
+        A ``QuantizedTensor``: data float8_e4m3fn of x's shape (``x[rows]``'s) with unit stride along
+        dim (dim 0 of a 2D x: a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view
+        of ``[K, Mp]`` storage with ``Mp = 128 * (cdiv(M, 128) + E)``, each group starting 128-aligned,
+        zeros between), scale contiguous, fp32 or float8_e8m0fnu, as ``dropless.quantized`` lays them
+        out; offsets kept as int32, and M as ``tokens``. No host sync on the Triton backend.
     """
     r = _resolve_recipe(recipe, pow2, mx_rounding)
     _check_input("x", x, (2, 3))
@@ -195,14 +207,24 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
     dim %= x.dim()
     if x.dim() == 3 and dim == 0:
         raise ValueError("dim must be 1 or 2 (K or N) for a 3D x [E, K, N]: experts are never quantized across, got 0")
+    if rows is not None:
+        if offsets is None:
+            raise ValueError("rows needs offsets: only an operand quantized per group along its tokens is "
+                             "read by index")
+        check_tensor("rows", rows)
+        if rows.dim() != 1 or rows.dtype not in INDEX_DTYPES:
+            raise ValueError(f"rows must be a 1D int32/int64 tensor of row indices, got {rows.dtype} of shape "
+                             f"{tuple(rows.shape)}")
+        check_same_device(x.device, rows=rows)
+    M = x.shape[0] if rows is None else rows.shape[0]
     if offsets is not None:
         _check_offsets(offsets, x.device)
         if x.dim() != 2 or dim != 0:
             raise ValueError(f"offsets need a 2D x quantized along dim 0 (the tokens), got x of shape "
                              f"{tuple(x.shape)} and dim {dim}")
-        offsets = _group_offsets(offsets, x, r)
-    data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding)
-    return QuantizedTensor(data, scale, r, dim, offsets, None if offsets is None else x.shape[0])
+        offsets = _group_offsets(offsets, M, r)
+    data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding, rows)
+    return QuantizedTensor(data, scale, r, dim, offsets, None if offsets is None else M)
 
 
 def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, *, pow2: bool | None = None,
@@ -229,7 +251,7 @@ def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, 
     if r.block is None:
         return quantize(x, r, 1), quantize(x, r, 0, offsets)
     _check_offsets(offsets, x.device)
-    offsets = _group_offsets(offsets, x, r)
+    offsets = _group_offsets(offsets, x.shape[0], r)
     data_k, scale_k, data_m, scale_m = _QUANTIZE_PAIR(x, r.name, offsets, r.pow2, r.mx_rounding)
     return QuantizedTensor(data_k, scale_k, r, 1), QuantizedTensor(data_m, scale_m, r, 0, offsets, x.shape[0])
 
