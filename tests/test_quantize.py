@@ -313,6 +313,30 @@ def test_dequantize_per_group_and_bf16():
         assert not back[141:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("M, K", [(77, 300), (5, 20), (0, 40)])
+def test_dequantize_kernel_matches_reference(name, opts, M, K, dtype):
+    """The one-pass kernel for data quantized along the last dim: the reference's fp32 product rounded
+    once, bit for bit (NaN where the data is NaN), every element of a poisoned output written; K not a
+    multiple of 32 or 128, values over 8 orders of magnitude, an all-zero row (E8M0's 2**-127 scale).
+    Results stay in fp32's normal range: the interpreter rounds subnormal ones to bf16 wrongly."""
+    from dropless.kernels.dequantize import dequantize_rows
+
+    x = torch.randn(M, K, device=KERNEL_DEVICE) * torch.logspace(-4, 4, K, device=KERNEL_DEVICE)
+    if M * K:
+        x[0, 0] = float("nan")
+        x[-1, :] = 0.0
+    q = dropless.quantize(x, name, 1, **opts)
+    out = poison(torch.empty(M, K, dtype=dtype, device=KERNEL_DEVICE))
+    mx = q.recipe.name == "mxfp8"
+    dequantize_rows(q.data, q.scale.view(torch.uint8) if mx else q.scale, q.recipe.block, mx, out)
+    expected = reference.dequantize(q).to(dtype)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(out.float(), nan=0.0), torch.nan_to_num(expected.float(), nan=0.0))
+    assert torch.equal(q.dequantize(dtype).isnan(), expected.isnan())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The per-group layout
 

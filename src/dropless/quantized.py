@@ -160,10 +160,11 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32), of the original
-        tensor's shape (``[tokens, K]`` per group, zero past ``offsets[-1]``)."""
-        from dropless import reference
+        tensor's shape (``[tokens, K]`` per group, zero past ``offsets[-1]``). One kernel pass on the
+        Triton backend for data quantized along the last dim of a 2D tensor."""
+        from dropless.ops.dequantize import dequantize
 
-        return reference.dequantize(self).to(dtype)
+        return dequantize(self, dtype)
 
     def blocked_scale(self) -> torch.Tensor:
         """The scales in the 128x4 swizzled layout that cuBLAS, CUTLASS and ``torch._scaled_mm`` read for
