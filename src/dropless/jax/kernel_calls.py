@@ -23,26 +23,26 @@ import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 from dropless.kernels.autotune import untimed
-from dropless.kernels.launch import interpreting
 from dropless.kernels.ragged_k import NO_ACCUMULATE
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from dropless.jax.vma import varying_axes, vary
 
 _DLPACK_CUDA = 2
-# XLA runs the computations of several CPU devices (shard_map) on threads of their own, and Triton's
-# interpreter, which patches triton.language while it runs a kernel, takes one kernel at a time.
-_interpreter_lock = threading.Lock()
+# XLA runs the computations of several devices (shard_map) on threads of their own. One launch at a time:
+# Triton's interpreter patches triton.language while it runs a kernel, and on GPUs the first launch of
+# a kernel on each device compiles and fills Triton's caches, which are not made for concurrent
+# writers. A launch only enqueues work (it never waits for a device), so the lock is held for
+# microseconds once the kernels are compiled.
+_launch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _on_xla_stream(ctx, buffer) -> Iterator[None]:
-    """Make XLA's stream torch's current one (on a GPU), with tuning off; on the CPU, hold the
-    interpreter."""
+    """Make XLA's stream torch's current one (on a GPU), with tuning off, holding the launch lock."""
     device_type, index = buffer.__dlpack_device__()
-    with untimed():
+    with untimed(), _launch_lock:
         if device_type != _DLPACK_CUDA:
-            with _interpreter_lock if interpreting() else contextlib.nullcontext():
-                yield
+            yield
             return
         device = torch.device("cuda", index)
         with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device)):
