@@ -330,7 +330,7 @@ def test_dequantize_kernel_matches_reference(name, opts, M, K, dtype):
     q = dropless.quantize(x, name, 1, **opts)
     out = poison(torch.empty(M, K, dtype=dtype, device=KERNEL_DEVICE))
     mx = q.recipe.name == "mxfp8"
-    dequantize_rows(q.data, q.scale.view(torch.uint8) if mx else q.scale, q.recipe.block, mx, out)
+    dequantize_rows(q.data, q.scale.view(torch.uint8) if mx else q.scale, q.recipe.block or 0, mx, out)
     expected = reference.dequantize(q).to(dtype)
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(torch.nan_to_num(out.float(), nan=0.0), torch.nan_to_num(expected.float(), nan=0.0))

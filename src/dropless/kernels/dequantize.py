@@ -69,9 +69,9 @@ def _dequantize_rows_kernel(
     tl.store(out + offsets, y.to(out.dtype.element_ty), mask=mask)
 
 
-def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int | None, mx: bool, out: torch.Tensor) -> None:
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int, mx: bool, out: torch.Tensor) -> None:
     """Write ``data * scale`` into ``out`` (arguments as the module docstring lays them out, already
-    checked; ``block``: elements per scale along K, None for one scale per row; ``mx``: E8M0 scales,
+    checked; ``block``: elements per scale along K, 0 for one scale per row; ``mx``: E8M0 scales,
     passed as their bytes)."""
     launch_info(data.device)
     M, K = data.shape
@@ -81,5 +81,5 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int | None, 
     block_m = max(4096 // block_k, 1)
     _dequantize_rows_kernel[(cdiv(M, block_m), cdiv(K, block_k))](
         data, scale, out, M, K, scale.shape[1],
-        BLOCK=block or 0, MX=mx, EMULATE=interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        BLOCK=block, MX=mx, EMULATE=interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
     )

@@ -16,7 +16,7 @@ from dropless.quantized import QuantizedTensor
 
 def _dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int, mx: bool, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    dequantize_rows(data, scale.view(torch.uint8) if mx else scale, block or None, mx, out)
+    dequantize_rows(data, scale.view(torch.uint8) if mx else scale, block, mx, out)
     return out
 
 

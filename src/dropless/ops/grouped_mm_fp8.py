@@ -26,7 +26,7 @@ from dropless.kernels.launch import weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
-from dropless.ops.permute import unpermute
+from dropless.ops.permute import sum_copies
 from dropless.ops.quantize import check_quantized, quantize, quantize_pair, quantize_weight
 from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
@@ -170,7 +170,7 @@ class Fp8GroupedMM(torch.autograd.Function):
     ``slots, top_k`` (optional, ``dropless.permute``'s ``sorted_to_token_slot`` and k): x is the ``[T, K]``
     tokens and row p of the product is token ``slots[p] // top_k`` (permute's rows, never made): x is
     quantized along K once, its FP8 rows and scales gathered, and quantized along the tokens reading
-    the rows by index; x's gradient sums each token's copies in fp32 (``dropless.unpermute``).
+    the rows by index; x's gradient sums each token's copies in fp32 (``sum_copies``).
     """
 
     @staticmethod
@@ -193,7 +193,7 @@ class Fp8GroupedMM(torch.autograd.Function):
         del xq, xq_data, xq_scale
         if wants_wgrad and xt is None:
             xt = quantize(x, act, dim=0, offsets=offsets)
-        ctx.slots, ctx.tokens, ctx.top_k = slots, x.shape[0], top_k
+        ctx.slots, ctx.tokens = slots, x.shape[0]
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
         ctx.main_grad = main_grad
@@ -218,8 +218,7 @@ class Fp8GroupedMM(torch.autograd.Function):
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
             if ctx.slots is not None:
-                ones = torch.ones(ctx.tokens, ctx.top_k, dtype=torch.float32, device=dx.device)
-                dx = unpermute(dx, ctx.slots, ones, offsets)
+                dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
         del dyq
         if ctx.wants_wgrad and dyt is None:
             dyt = quantize(dy, act, dim=0, offsets=offsets)

@@ -136,7 +136,7 @@ def _permute_setup_context(ctx, inputs, output) -> None:
 
 def _permute_bwd(ctx, dx_sorted, *_):
     sorted_to_token_slot, offsets = ctx.saved_tensors
-    return _UNPERMUTE(dx_sorted, sorted_to_token_slot, None, offsets, ctx.num_tokens), None, None
+    return sum_copies(dx_sorted, sorted_to_token_slot, offsets, ctx.num_tokens), None, None
 
 
 def _unpermute_setup_context(ctx, inputs, output) -> None:
@@ -198,6 +198,16 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
     if T * k > _MAX_ROWS:
         raise ValueError(f"topk_ids has T*k = {T * k} copies; at most 2**31 - 1 are supported (int32 indices)")
     return _PERMUTE(x, topk_ids, num_experts)
+
+
+def sum_copies(rows: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+               num_tokens: int) -> torch.Tensor:
+    """Each token's copies summed, unweighted: ``x[t] = sum_j rows[p(t*k + j)]``, the gradient that
+    ``permute`` (or any product reading permute's rows) gives its tokens. ``rows [T*k, d]`` in permute's
+    order, ``sorted_to_token_slot`` and ``offsets`` as permute returns them (rows at or past
+    ``offsets[-1]`` add nothing); ``[T, d]`` in rows' dtype, summed in fp32 in slot order. Arguments are
+    not checked: the callers hold permute's own outputs."""
+    return _UNPERMUTE(rows, sorted_to_token_slot, None, offsets, num_tokens)
 
 
 def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dropless import reference
 from dropless.backend import use_triton
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
-from dropless.ops.permute import sort_by_expert, unpermute
+from dropless.ops.permute import sort_by_expert, sum_copies, unpermute
 from dropless.ops.quantize import quantize
 from dropless.quantized import QuantizedTensor, operand_recipes
 
@@ -129,13 +129,16 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     return slots, offsets, send_splits, recv_splits, expert_rows, rank_rows, sizes.to(torch.int32)
 
 
-def _weighted_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                  offsets: torch.Tensor) -> torch.Tensor:
-    """``dropless.unpermute``; for rows its kernel does not take (fp64 on a GPU), the reference's torch
-    ops (differentiable by autograd)."""
+def _sum_at_sources(rows: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's copies (``rows`` in the sending order) summed in fp32, weighted by ``weights [T, k]``
+    if given: ``dropless.unpermute`` (``sum_copies`` unweighted); for rows its kernel does not take (fp64
+    on a GPU), the reference's torch ops (differentiable by autograd)."""
     if rows.dtype == torch.float64 and use_triton(rows.device):
-        return reference.unpermute(rows, slots, weights, offsets)
-    return unpermute(rows, slots, weights, offsets)
+        w = weights if weights is not None else rows.new_ones(handle.tokens, handle.top_k)
+        return reference.unpermute(rows, handle.slots, w, handle.offsets)
+    if weights is None:
+        return sum_copies(rows, handle.slots, handle.offsets, handle.tokens)
+    return unpermute(rows, handle.slots, weights, handle.offsets)
 
 
 def _to_experts(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -165,10 +168,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h = ctx.handle
-        rows = _to_sources(grad, h)
-        ones = torch.ones(h.tokens, h.top_k, dtype=torch.float32, device=rows.device)
-        return _weighted_sum(rows, h.slots, ones, h.offsets), None, None
+        return _sum_at_sources(_to_sources(grad, ctx.handle), ctx.handle), None, None
 
 
 class _Return(torch.autograd.Function):
@@ -245,4 +245,4 @@ def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """
     if y.shape[0] != len(handle.expert_rows):
         raise ValueError(f"y must have the {len(handle.expert_rows)} rows dispatch returned, got {y.shape[0]}")
-    return _weighted_sum(_Return.apply(y, handle), handle.slots, handle.weights, handle.offsets)
+    return _sum_at_sources(_Return.apply(y, handle), handle, handle.weights)
