@@ -30,10 +30,9 @@ def _replica_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """The ranks that hold the same experts as this one (the same place in their EP groups). Every rank
     creates every such group, in the same order, as ``new_group`` asks."""
     world = dist.get_world_size()
-    place = torch.tensor([dist.get_rank(ep_group)])
-    places = [torch.empty_like(place) for _ in range(world)]
-    dist.all_gather(places, place)
-    places = [int(p) for p in places]
+    # An object gather runs on any backend (NCCL takes no CPU tensors); once, when the model is wrapped.
+    places: list[int] = [0] * world
+    dist.all_gather_object(places, dist.get_rank(ep_group))
     mine = None
     for p in sorted(set(places)):
         ranks = [r for r, q in enumerate(places) if q == p]
