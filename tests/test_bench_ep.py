@@ -25,7 +25,9 @@ from dropless.bench.ep_report import format_bars, judge_bars
 from dropless.bench.routing import draw_topk
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-METHODS = ["dropless_nccl", "dropless_nccl_fp8", "a2a_with_counts", "a2a_data_only"]
+METHODS = ["dropless_nccl", "dropless_symmetric_memory", "dropless_nccl_fp8", "dropless_symmetric_memory_fp8",
+           "a2a_with_counts", "a2a_data_only"]
+FP8_METHODS = [m for m in METHODS if m.endswith("_fp8")]
 BOTH = "dispatch+combine"
 WORLD = 2
 
@@ -49,7 +51,7 @@ def test_exchange_rows_every_method_both_directions(quick_run):
     assert meta["benchmark"] == "ep" and meta["quick"] and meta["world_size"] == WORLD
     assert meta["process_group_backend"] == "gloo" and meta["devices"] == [meta["gpu"]] * WORLD
     assert meta["gpu"].startswith("cpu")
-    assert meta["backends"]["nccl"] == "ok" and meta["backends"]["symmetric_memory"].startswith("skipped: ")
+    assert meta["backends"] == {"nccl": "ok", "symmetric_memory": "ok"}
     assert meta["methods"] == METHODS
     assert {"gpu", "torch", "triton", "commit", "date", "timing", "bytes", "bars"} <= set(meta)
     rows = [r for r in result["rows"] if r["part"] == "exchange"]
@@ -65,17 +67,19 @@ def test_exchange_rows_every_method_both_directions(quick_run):
             d, c = at[r["case"], r["method"], "dispatch"], at[r["case"], r["method"], "combine"]
             assert r["bytes_per_rank"] == [a + b for a, b in zip(d["bytes_per_rank"], c["bytes_per_rank"])]
             assert r["ms_per_rank"] == pytest.approx([a + b for a, b in zip(d["ms_per_rank"], c["ms_per_rank"])])
-        elif r["method"] == "dropless_nccl_fp8" and r["pass"] == "dispatch":
+        elif r["method"] in FP8_METHODS and r["pass"] == "dispatch":
             assert 0 < r["max_rel_err"] <= meta["fp8_tolerance"] and r["wire"] == "fp8 rowwise"
         else:
             assert r["max_rel_err"] <= meta["tolerance"]
     for case in QUICK_CASES:
         # Every method moves the same rows; FP8 rows are about a quarter of fp32 ones (plus a scale).
         for pass_ in PASSES:
-            sent = {m: at[case.name, m, pass_]["bytes_per_rank"] for m in METHODS if m != "dropless_nccl_fp8"}
+            sent = {m: at[case.name, m, pass_]["bytes_per_rank"] for m in METHODS if m not in FP8_METHODS}
             assert len({tuple(b) for b in sent.values()}) == 1
-        fp8, fp32 = at[case.name, "dropless_nccl_fp8", "dispatch"], at[case.name, "dropless_nccl", "dispatch"]
-        assert [b * (case.d + 4) for b in fp32["bytes_per_rank"]] == [b * 4 * case.d for b in fp8["bytes_per_rank"]]
+        for method in FP8_METHODS:
+            fp8, fp32 = at[case.name, method, "dispatch"], at[case.name, "dropless_nccl", "dispatch"]
+            assert [b * (case.d + 4) for b in fp32["bytes_per_rank"]] == [b * 4 * case.d
+                                                                           for b in fp8["bytes_per_rank"]]
 
 
 def test_layer_rows_and_weak_scaling(quick_run):
@@ -87,8 +91,8 @@ def test_layer_rows_and_weak_scaling(quick_run):
     cfg = QUICK_CONFIGS[0]
     for r in rows:
         assert not r["failed"] and r["ms"] > 0 and r["tflops"] > 0 and r["pass"] == "layer_fwd+bwd", r
-    for recipe in RECIPES:
-        ep, one = at["dropless_ep", recipe], at["dropless_one_gpu", recipe]
+    for recipe, method in ((r, m) for r in RECIPES for m in ("dropless_ep", "dropless_ep_symmetric_memory")):
+        ep, one = at[method, recipe], at["dropless_one_gpu", recipe]
         assert ep["weak_scaling"] == pytest.approx(one["ms"] / ep["ms"]) and one["weak_scaling"] is None
         # The same token copies per GPU: exactly T*k on one GPU, T*k on average over the EP ranks.
         assert one["rows_per_rank"] == [cfg.T * cfg.k] * WORLD and sum(ep["rows_per_rank"]) == WORLD * cfg.T * cfg.k
@@ -99,7 +103,7 @@ def test_rank_zero_writes_and_prints_the_bars_last(quick_run):
     assert stdout.count("wrote ") == 2 and sorted(p.name for p in out.iterdir())[0] == "quick.json"
     # The tables, then the bars last (the FP8 dispatch's line closing them).
     assert stdout.index("EP MoE layer fwd+bwd") < stdout.index(f"bars (2 x {result['meta']['gpu']}, balanced routing):")
-    assert "dropless_nccl_fp8: dispatch+combine in" in stdout.rstrip().splitlines()[-1]
+    assert "dropless_symmetric_memory_fp8: dispatch+combine in" in stdout.rstrip().splitlines()[-1]
     # A CPU run shows the bars' figures without judging them (they are about GPUs).
     assert {v["bar"] for v in result["bars"]} == {"vs_a2a_with_counts", "gbps_per_rank", "weak_scaling"}
     assert all(v["met"] is None and v["value"] > 0 for v in result["bars"])

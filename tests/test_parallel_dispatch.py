@@ -1,6 +1,7 @@
 """dropless.parallel.dispatch / combine on 2 and 4 CPU processes over gloo (and on 2 and 4 GPUs over
-NCCL), against the same MoE step computed in one process from every rank's inputs (each rank draws all
-ranks' inputs from one seed).
+NCCL), both backends ("nccl"; "symmetric_memory": shared memory between the CPU processes, torch
+symmetric memory on GPUs), against the same MoE step computed in one process from every rank's inputs
+(each rank draws all ranks' inputs from one seed).
 
 Cases: random routing, a rank with no tokens, every token to one expert (ranks that receive nothing),
 top-k copies that land on the same rank, and bad input raised on every rank together. Each run is
@@ -52,40 +53,56 @@ def _reference(per_rank, experts):
     return [(out, x.grad, w.grad) for x, w, out in leaves], W.grad
 
 
-def _step(rank, world, per_rank, experts, E):
-    """This rank's dispatch, local experts and combine; returns outputs and gradients."""
+def _step(rank, world, per_rank, experts, E, backend="nccl"):
+    """This rank's dispatch, local experts and combine; returns outputs and gradients. The symmetric
+    backend's rows past the received ones (left unwritten) go through the experts' stand-in untouched:
+    combine must ignore them whatever they hold."""
     local = E // world
     device = rank_device()
     x, idx, w, g = (t.to(device) for t in per_rank[rank])
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     W = experts[rank * local:(rank + 1) * local].clone().to(device).requires_grad_()
-    rows, sizes, handle = dispatch(x, idx, w, num_experts=E)
+    options = {"backend": backend}
+    if backend == "symmetric_memory":
+        options["max_tokens"] = max(p[0].shape[0] for p in per_rank)
+    rows, sizes, handle = dispatch(x, idx, w, num_experts=E, **options)
     expected_sizes = sum(torch.bincount(p[1].reshape(-1), minlength=E) for p in per_rank)[rank * local:(rank + 1) * local]
     assert sizes.dtype == torch.int32 and sizes.tolist() == expected_sizes.tolist()
+    received = int(sizes.sum())
+    if backend == "symmetric_memory":
+        assert rows.shape == (world * options["max_tokens"] * idx.shape[1], x.shape[1])
     # Rows by local expert, each expert's in source-rank then (token, slot) order.
     expected_rows = [p[0][(p[1].reshape(-1) == rank * local + e).nonzero().flatten() // p[1].shape[1]]
                      for e in range(local) for p in per_rank]
-    assert torch.equal(rows.cpu(), torch.cat(expected_rows) if expected_rows else rows.cpu())
+    assert torch.equal(rows[:received].cpu(), torch.cat(expected_rows))
     bounds = torch.cumsum(sizes, 0).tolist()
     starts = [0] + bounds[:-1]
-    y = torch.cat([rows[s:t] @ W[e] for e, (s, t) in enumerate(zip(starts, bounds))]) if local else rows
+    y = torch.cat([rows[s:t] @ W[e] for e, (s, t) in enumerate(zip(starts, bounds))] + [rows[received:]])
     out = combine(y, handle)
     (out * g).sum().backward()
     return out.detach().cpu(), x.grad.cpu(), w.grad.cpu(), W.grad.cpu()
 
 
-def _worker(rank, world, cases):
+def _worker(rank, world, cases, backend="nccl"):
+    """Each case against the one-process step: in fp64 with "nccl", in fp32 (its rows' widest dtype) with
+    "symmetric_memory", against the fp64 step on the same fp32 values."""
+    dtype = torch.float64 if backend == "nccl" else torch.float32
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     for tokens, E, k, d, routing, seed in cases:
         per_rank, experts = _inputs(world, tokens, E, k, d, routing, seed)
-        ranks_ref, gW_ref = _reference(per_rank, experts)
-        out_ref, gx_ref, gw_ref = ranks_ref[rank]
-        out, gx, gw, gW = _step(rank, world, per_rank, experts, E)
+        per_rank = [tuple(t.to(dtype) if t.is_floating_point() else t for t in p) for p in per_rank]
+        experts = experts.to(dtype)
+        ranks_ref, gW_ref = _reference([tuple(t.double() if t.is_floating_point() else t for t in p)
+                                        for p in per_rank], experts.double())
+        out_ref, gx_ref, gw_ref = (t.to(dtype) for t in ranks_ref[rank])
+        out, gx, gw, gW = _step(rank, world, per_rank, experts, E, backend)
         local = E // world
-        what = f"rank {rank}, {routing}, tokens {tokens}"
-        torch.testing.assert_close(out, out_ref, msg=f"out: {what}")
-        torch.testing.assert_close(gx, gx_ref, msg=f"grad x: {what}")
-        torch.testing.assert_close(gw, gw_ref, msg=f"grad w: {what}")
-        torch.testing.assert_close(gW, gW_ref[rank * local:(rank + 1) * local], msg=f"grad W: {what}")
+        what = f"rank {rank}, {routing}, tokens {tokens}, {backend}"
+        torch.testing.assert_close(out, out_ref, msg=f"out: {what}", **tol)
+        torch.testing.assert_close(gx, gx_ref, msg=f"grad x: {what}", **tol)
+        torch.testing.assert_close(gw, gw_ref, msg=f"grad w: {what}", **tol)
+        torch.testing.assert_close(gW, gW_ref[rank * local:(rank + 1) * local].to(dtype), msg=f"grad W: {what}",
+                                   **tol)
 
 
 def _bad_input_worker(rank, world, case):
@@ -123,6 +140,11 @@ def test_dispatch_combine_match_one_process(world, cases):
     run_ranks(world, _worker, cases)
 
 
+@pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-ranks", "4-ranks"])
+def test_symmetric_memory_dispatch_combine_match_one_process(world, cases):
+    run_ranks(world, _worker, cases, "symmetric_memory")
+
+
 def _kernel_backend_worker(rank, world, cases):
     """The Triton backend (Triton's interpreter on CPU processes), whose unpermute kernel takes no fp64
     rows: the weighted sums of these fp64 rows take the reference's torch ops, as on a GPU."""
@@ -140,27 +162,66 @@ def test_dispatch_combine_match_one_process_over_nccl(world, cases):
     run_ranks(world, _worker, cases, backend="nccl")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, cases", [(2, CASES_2), (4, CASES_4)], ids=["2-gpus", "4-gpus"])
+def test_symmetric_memory_dispatch_combine_match_one_process_on_gpus(world, cases):
+    run_ranks(world, _worker, cases, "symmetric_memory", backend="nccl")
+
+
 @pytest.mark.parametrize("case", ["indivisible", "out_of_range", "dtype", "width"])
 def test_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case)
 
 
-def _fp8_worker(rank, world, recipe):
+def _bad_symmetric_worker(rank, world, case):
+    """The symmetric backend checks ids and rows across ranks on the device, with validation on: every
+    rank reads every rank's facts, so all raise together (on the CPU at once, on GPUs at the next sync)."""
+    dropless.set_validation(True)
+    x = torch.randn(3, 4)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
+    last = rank == world - 1
+    if case == "out_of_range" and last:
+        idx[1, 0] = -1
+    if case == "dtype" and last:
+        x = x.half()
+    if case == "width" and last:
+        x = torch.randn(3, 6)
+    if case == "fp64":
+        x = x.double()
+    error, match = {"out_of_range": (RuntimeError, "topk_idx"), "dtype": (RuntimeError, "one dtype and width"),
+                    "width": (RuntimeError, "one dtype and width"), "fp64": (ValueError, "x must be one of"),
+                    "max_tokens": (ValueError, "max_tokens")}[case]
+    with pytest.raises(error, match=match):
+        dispatch(x, idx, torch.rand(3, 2), num_experts=4, backend="symmetric_memory",
+                 max_tokens=2 if case == "max_tokens" else None)
+
+
+@pytest.mark.parametrize("case", ["out_of_range", "dtype", "width", "fp64", "max_tokens"])
+def test_symmetric_memory_bad_input_raises_on_every_rank(case):
+    run_ranks(2, _bad_symmetric_worker, case)
+
+
+def _fp8_worker(rank, world, recipe, backend):
     """With a recipe the copies travel quantized: the received FP8 rows are the sender's quantization of
     each row, and the values returned beside them are their dequantization, with x's gradient path."""
-    per_rank, _ = _inputs(world, [6, 9], 4, 2, 64, "random", 7)
+    per_rank, _ = _inputs(world, [6, 9], 4, 2, 256, "random", 7)
     x, idx, w, _ = per_rank[rank]
     x = x.float().requires_grad_()
-    (values, rows_fp8), sizes, handle = dispatch(x, idx, w.float(), num_experts=4, recipe=recipe)
-    plain, _, _ = dispatch(x.detach(), idx, w.float(), num_experts=4)
+    options = {"backend": backend, **({"max_tokens": 9} if backend == "symmetric_memory" else {})}
+    (values, rows_fp8), sizes, handle = dispatch(x, idx, w.float(), num_experts=4, recipe=recipe, **options)
+    plain, _, _ = dispatch(x.detach(), idx, w.float(), num_experts=4, **options)
+    n = int(sizes.sum())
     assert rows_fp8.data.dtype == torch.float8_e4m3fn and rows_fp8.dim == 1
-    expected = dropless.quantize(plain, rows_fp8.recipe, dim=1)
-    assert torch.equal(rows_fp8.data.view(torch.uint8), expected.data.view(torch.uint8))
-    torch.testing.assert_close(values, expected.dequantize(torch.float32))
-    values.sum().backward()
+    assert values.shape[0] == rows_fp8.data.shape[0] == rows_fp8.scale.shape[0] == plain.shape[0]
+    expected = dropless.quantize(plain[:n], rows_fp8.recipe, dim=1)
+    assert torch.equal(rows_fp8.data[:n].view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(rows_fp8.scale[:n], expected.scale)
+    torch.testing.assert_close(values[:n], expected.dequantize(torch.float32))
+    values[:n].sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))  # each token's k = 2 copies
 
 
+@pytest.mark.parametrize("backend", ["nccl", "symmetric_memory"])
 @pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
-def test_fp8_dispatch(recipe):
-    run_ranks(2, _fp8_worker, recipe)
+def test_fp8_dispatch(recipe, backend):
+    run_ranks(2, _fp8_worker, recipe, backend)

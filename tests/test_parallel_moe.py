@@ -14,21 +14,24 @@ from multiprocess import rank_device, run_ranks
 import dropless
 
 
-def _layer(seed: int, E: int, shared: bool) -> dropless.MoE:
+def _layer(seed: int, E: int, shared: bool, dtype: torch.dtype = torch.float64) -> dropless.MoE:
     torch.manual_seed(seed)
     return dropless.MoE(16, 8, num_experts=E, top_k=2, num_shared_experts=1 if shared else 0,
-                        aux_loss_coef=0.0, dtype=torch.float64)
+                        aux_loss_coef=0.0, dtype=dtype)
 
 
-def _worker(rank, world, tokens, E, shared, seed):
+def _worker(rank, world, tokens, E, shared, seed, ep_backend="nccl"):
+    """fp64 with "nccl"; fp32 with "symmetric_memory" (its rows' widest dtype), at fp32's tolerance."""
     device = rank_device()
     dropless.set_backend("reference")  # fp64 on GPUs too: the kernels take 16- and 32-bit floats
-    full = _layer(seed, E, shared).to(device)
-    ep = full.expert_parallel()
+    dtype = torch.float64 if ep_backend == "nccl" else torch.float32
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    full = _layer(seed, E, shared, dtype).to(device)
+    ep = full.expert_parallel(backend=ep_backend, max_tokens=max(tokens))
     assert ep.local_experts == E // world and ep.first_expert == rank * (E // world)
     gen = torch.Generator().manual_seed(seed + 1)
-    x_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device)
-    g_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device)
+    x_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device, dtype)
+    g_all = torch.randn(sum(tokens), 16, generator=gen, dtype=torch.float64).to(device, dtype)
     lo = sum(tokens[:rank])
     mine = slice(lo, lo + tokens[rank])
 
@@ -38,12 +41,12 @@ def _worker(rank, world, tokens, E, shared, seed):
     y = ep(x)
     (y * g_all[mine]).sum().backward()
 
-    torch.testing.assert_close(y, full(x_all)[mine].detach(), msg=f"rank {rank}: y")
-    torch.testing.assert_close(x.grad, x_full.grad[mine], msg=f"rank {rank}: grad x")
+    torch.testing.assert_close(y, full(x_all)[mine].detach(), msg=f"rank {rank}: y", **tol)
+    torch.testing.assert_close(x.grad, x_full.grad[mine], msg=f"rank {rank}: grad x", **tol)
     experts = slice(ep.first_expert, ep.first_expert + ep.local_experts)
     for name in ("experts_gate_up", "experts_down"):
         torch.testing.assert_close(getattr(ep, name).weight.grad, getattr(full, name).weight.grad[experts],
-                                   msg=f"rank {rank}: {name}")
+                                   msg=f"rank {rank}: {name}", **tol)
     replicated = [("router", ep.router.weight, full.router.weight)]
     if shared:
         replicated += [("shared gate_up", ep.shared_experts.gate_up.weight, full.shared_experts.gate_up.weight),
@@ -51,12 +54,14 @@ def _worker(rank, world, tokens, E, shared, seed):
     for name, mine_p, full_p in replicated:
         summed = mine_p.grad.clone()
         dist.all_reduce(summed)
-        torch.testing.assert_close(summed, full_p.grad, msg=f"rank {rank}: {name} summed over ranks")
+        torch.testing.assert_close(summed, full_p.grad, msg=f"rank {rank}: {name} summed over ranks", **tol)
 
 
 def _bad_group_worker(rank, world):
     with pytest.raises(ValueError, match="num_experts"):
         dropless.MoE(16, 8, num_experts=3, top_k=2, ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="ep_backend"):
+        dropless.MoE(16, 8, num_experts=4, top_k=2, ep_group=dist.group.WORLD, ep_backend="nvshmem")
     ep = _layer(0, 4, False).expert_parallel()
     with pytest.raises(ValueError, match="already expert-parallel"):
         ep.expert_parallel()
@@ -71,6 +76,14 @@ def test_expert_parallel_layer_matches_the_full_layer(world, tokens, E, shared):
     run_ranks(world, _worker, tokens, E, shared, 0)
 
 
+@pytest.mark.parametrize("world, tokens, E, shared", [
+    (2, [9, 14], 4, True),
+    (4, [6, 3, 0, 10], 8, False),
+], ids=["2-ranks-shared", "4-ranks"])
+def test_symmetric_memory_layer_matches_the_full_layer(world, tokens, E, shared):
+    run_ranks(world, _worker, tokens, E, shared, 0, "symmetric_memory")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world, tokens, E, shared", [
     (2, [9, 14], 4, True),
@@ -81,17 +94,23 @@ def test_expert_parallel_layer_matches_the_full_layer_over_nccl(world, tokens, E
     run_ranks(world, _worker, tokens, E, shared, 0, backend="nccl")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_memory_layer_matches_the_full_layer_on_gpus(world):
+    run_ranks(world, _worker, [6, 3, 0, 10][:world], 8, True, 0, "symmetric_memory", backend="nccl")
+
+
 def test_expert_parallel_bad_group():
     run_ranks(2, _bad_group_worker)
 
 
-def _fp8_worker(rank, world, recipe):
+def _fp8_worker(rank, world, recipe, backend="nccl"):
     """An FP8 layer's EP version: token rows travel in FP8; outputs as the full FP8 layer's (the same FP8
     values: a row's quantization along d does not depend on where it goes), expert gradients within FP8
     noise of its (the weight gradient re-quantizes the received values along the tokens)."""
     torch.manual_seed(0)
     full = dropless.MoE(16, 8, num_experts=4, top_k=2, aux_loss_coef=0.0, recipe=recipe)
-    ep = full.expert_parallel()
+    ep = full.expert_parallel(backend=backend, max_tokens=12)
     gen = torch.Generator().manual_seed(1)
     tokens = [12, 7]
     x_all = torch.randn(sum(tokens), 16, generator=gen)
@@ -111,3 +130,65 @@ def _fp8_worker(rank, world, recipe):
 @pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
 def test_fp8_rows_travel_quantized(recipe):
     run_ranks(2, _fp8_worker, recipe)
+
+
+def test_fp8_rows_travel_quantized_through_symmetric_memory():
+    run_ranks(2, _fp8_worker, "rowwise", "symmetric_memory")
+
+
+def _graph_worker(rank, world):
+    """The symmetric-memory EP layer's forward and backward: no host sync in an eager step (after the first,
+    which makes the buffers), then captured in one CUDA graph and replayed with new tokens (new routing)
+    on every rank, each replay's outputs and gradients those of an eager step on the same tokens."""
+    device = rank_device()
+    torch.manual_seed(0)
+    layer = dropless.MoE(64, 32, num_experts=8, top_k=2, num_shared_experts=1, aux_loss_coef=0.0,
+                         device=device, dtype=torch.bfloat16).expert_parallel(backend="symmetric_memory")
+    params = list(layer.parameters())
+    gen = torch.Generator(device=device).manual_seed(rank)
+
+    def draw():
+        return torch.randn(40, 64, device=device, dtype=torch.bfloat16, generator=gen)
+
+    x, g = draw().requires_grad_(), draw()
+
+    def step(inp):
+        y = layer(inp)
+        y.backward(g)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")
+    step(x)
+    torch.cuda.set_sync_debug_mode(0)
+    for p in params:
+        p.grad = None
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step(x)
+    grads_static = [p.grad for p in params] + [x.grad]
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(draw())
+            g.copy_(draw())
+        graph.replay()
+        got = [y_static.clone()] + [t.clone() for t in grads_static]
+        for p in params:
+            p.grad = None
+        x_eager = x.detach().clone().requires_grad_()
+        want = [step(x_eager).detach()] + [p.grad for p in params] + [x_eager.grad]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, msg=f"rank {rank}: replay against eager")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_memory_layer_captured_in_a_cuda_graph(world):
+    run_ranks(world, _graph_worker, backend="nccl")

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="needs torch
 LOSS_RTOL = 1e-4
 
 
-def _train(out: Path, text: Path, ep: int, steps: int, resume: bool = False, device: str = "cpu") -> dict:
+def _train(out: Path, text: Path, ep: int, steps: int, resume: bool = False, device: str = "cpu",
+           ep_backend: str = "nccl") -> dict:
     command = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 60000)), "-m",
                "dropless", "train", "--preset", "tiny", "--device", device, "--steps", str(steps), "--batch-size", "2",
-               "--seq-len", "32", "--data", str(text), "--out", str(out), "--ep", str(ep)]
+               "--seq-len", "32", "--data", str(text), "--out", str(out), "--ep", str(ep), "--ep-backend", ep_backend]
     result = subprocess.run(command + (["--resume"] if resume else []), capture_output=True, text=True, timeout=180,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -51,6 +52,13 @@ def test_ep2_trains_as_ep1_and_checkpoints_whole(tmp_path):
     _assert_same_training_state(sharded.tensors, whole)
 
 
+def test_ep2_through_symmetric_memory_trains_as_ep1(tmp_path):
+    text = random_text(tmp_path / "text.txt", 400)
+    ep1 = _train(tmp_path / "ep1", text, 1, 3)
+    ep2 = _train(tmp_path / "ep2", text, 2, 3, ep_backend="symmetric_memory")
+    assert _losses(ep2) == pytest.approx(_losses(ep1), rel=LOSS_RTOL)
+
+
 def _assert_same_training_state(tensors: dict, expected: dict) -> None:
     """Every weight and optimizer moment of two checkpoints, whole (the experts gathered) and equal but
     for the order of fp32 sums."""
@@ -62,13 +70,14 @@ def _assert_same_training_state(tensors: dict, expected: dict) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_ep2_trains_as_ep1_on_two_gpus(tmp_path):
+@pytest.mark.parametrize("ep_backend", ["nccl", "symmetric_memory"])
+def test_ep2_trains_as_ep1_on_two_gpus(tmp_path, ep_backend):
     """The same over NCCL, one GPU a process, in bf16 autocast: the expert products see the same rows in
     other groupings, so only the fp32 sums' order and bf16 roundings of the reordered sums differ; the
     bound is a few bf16 unit roundoffs (2**-8) of the loss."""
     text = random_text(tmp_path / "text.txt", 400)
     ep1 = _train(tmp_path / "ep1", text, 1, 3, device="cuda")
-    ep2 = _train(tmp_path / "ep2", text, 2, 3, device="cuda")
+    ep2 = _train(tmp_path / "ep2", text, 2, 3, device="cuda", ep_backend=ep_backend)
     assert ep2["step"] == 3 and ep2["world_size"] == 2
     assert _losses(ep2) == pytest.approx(_losses(ep1), rel=1e-2)
 

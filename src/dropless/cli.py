@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--ep", type=_positive, default=1,
                        help="expert parallelism: shard each MoE layer's experts over groups of this many "
                             "processes (under torchrun; default: %(default)s, every process holds every expert)")
+    train.add_argument("--ep-backend", choices=("nccl", "symmetric_memory"), default="nccl",
+                       help="how --ep moves the tokens: nccl (all_to_all_single, one host sync a layer) or "
+                            "symmetric_memory (no host sync; buffers sized for the most a rank can receive) "
+                            "(default: %(default)s)")
     train.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.set_defaults(handler=_train)
@@ -146,7 +150,8 @@ def _train(args: argparse.Namespace) -> int:
     distributed.start(ranks, device)
     try:
         trainer = Trainer(preset.name, model_config, train_config, corpus, out_dir, device, ranks,
-                          resume=args.resume, compile=args.compile, ep=args.ep)
+                          resume=args.resume, compile=args.compile, ep=args.ep,
+                          ep_backend=args.ep_backend)
         if ranks.is_main:
             print(trainer.describe(), flush=True)
         summary = trainer.run()

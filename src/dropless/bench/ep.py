@@ -306,7 +306,7 @@ def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], N
                     out["records"][key] = record
                     if drawn is None:
                         continue
-                    record["rows"] = drawn.rows_ep if method == "dropless_ep" else drawn.rows_one_gpu
+                    record["rows"] = drawn.rows_ep if method in ep_layer.EP_METHODS else drawn.rows_one_gpu
                     layer, record["error"] = ranks.agreed(
                         lambda: ep_layer.build_layer(cfg, method, recipe, weights, drawn, ranks.group))
                     if layer is not None:
@@ -429,15 +429,16 @@ def _layer_rows(opts: EpOptions, world: int, gathered: list[dict]) -> list[dict]
                     timed[method] = max(ms) if ms else None
                     rows.append({"part": "layer", "case": cfg.name, "routing": routing, "gpus": world, "T": cfg.T,
                                  "d": cfg.d, "d_ff": cfg.d_ff, "E": cfg.E, "k": cfg.k, "shared_d_ff": cfg.shared_d_ff,
-                                 "method": method, "backend": "nccl" if method == "dropless_ep" else None,
+                                 "method": method, "backend": ep_layer.EP_METHODS.get(method),
                                  "recipe": recipe, "pass": "layer_fwd+bwd", "ms": timed[method], "ms_per_rank": ms,
                                  "ms_rounds_per_rank": rounds,
                                  "rows_per_rank": [g["records"][key]["rows"] for g in gathered],
                                  "tflops": cfg.useful_flops / timed[method] / 1e9 if timed[method] else None,
                                  "weak_scaling": None, "failed": error is not None or ms is None, "error": error})
-                ep, one = timed["dropless_ep"], timed["dropless_one_gpu"]
-                if ep and one:
-                    rows[-2]["weak_scaling"] = one / ep
+                one = timed["dropless_one_gpu"]
+                for row in rows[-len(ep_layer.METHODS):]:
+                    if row["method"] in ep_layer.EP_METHODS and row["ms"] and one:
+                        row["weak_scaling"] = one / row["ms"]
     return rows
 
 

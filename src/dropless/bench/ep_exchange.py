@@ -219,7 +219,8 @@ def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None)
         expected_out = (tokens.float() * inp.weights.sum(1, keepdim=True).float()).to(inp.x.dtype)
         # Dispatch against the tokens themselves (with a recipe: the FP8 rows' error, which the tolerance for
         # FP8 bounds); combine against the tokens it was given.
-        errors = {"dispatch": rel_err(values, inp.expected_rows),
+        # The symmetric-memory backend returns rows for the most a rank can receive; the first are the copies.
+        errors = {"dispatch": rel_err(values[:len(inp.expected_rows)], inp.expected_rows),
                   "combine": rel_err(combine(values, handle), expected_out)}
     fns = {"dispatch": run_dispatch, "combine": lambda: combine(values, handle)}
     return ExchangeMethod(fns, row_bytes, errors)

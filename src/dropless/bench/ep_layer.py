@@ -5,7 +5,8 @@ On every rank, for each recipe (BF16, FP8 rowwise), two layers share one set of 
 
 - ``dropless_ep``: ``MoE(d, d_ff, E, k, ep_group=<all ranks>)``: this rank's E/P experts, the router and
   the shared expert replicated; T tokens per rank, each routed to k of all E experts, copies dispatched
-  to their experts' ranks and combined back (``dropless.parallel``, backend "nccl").
+  to their experts' ranks and combined back (``dropless.parallel``, backend "nccl");
+  ``dropless_ep_symmetric_memory``: the same with ``ep_backend="symmetric_memory"`` (no host sync).
 - ``dropless_one_gpu``: ``MoE(d, d_ff, E/P, k)`` with no group, holding the same E/P experts (the same
   tensors), router and shared expert: the same T tokens, each routed to k of its E/P experts, all
   local. Each GPU then runs ``T * k`` token copies through E/P experts, as a rank of the EP layer does on
@@ -36,7 +37,9 @@ from dropless.ops.router_logits import router_logits
 from dropless.ops.routing import Routing
 
 RECIPES = ("bf16", "rowwise")  # "bf16": the experts in the input's dtype; else an FP8 recipe
-METHODS = ("dropless_ep", "dropless_one_gpu")
+# The EP layers, by the dispatch backend each uses; then the one-GPU reference.
+EP_METHODS = {"dropless_ep": "nccl", "dropless_ep_symmetric_memory": "symmetric_memory"}
+METHODS = (*EP_METHODS, "dropless_one_gpu")
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,10 @@ def draw_routing(cfg: EpLayerConfig, routing: str, group: dist.ProcessGroup, dev
 
 
 def _moe(cfg: EpLayerConfig, num_experts: int, group: dist.ProcessGroup | None, recipe: str | None,
-         device: torch.device | str, dtype: torch.dtype) -> MoE:
+         device: torch.device | str, dtype: torch.dtype, ep_backend: str = "nccl") -> MoE:
     return MoE(cfg.d, cfg.d_ff, num_experts, cfg.k, score_func="sigmoid", routed_scaling=cfg.routed_scaling,
                aux_loss_coef=0.0, num_shared_experts=1, shared_d_ff=cfg.shared_d_ff, recipe=recipe,
-               ep_group=group, device=device, dtype=dtype)
+               ep_group=group, ep_backend=ep_backend, device=device, dtype=dtype)
 
 
 def build_layer(cfg: EpLayerConfig, method: str, recipe: str, weights: LayerWeights, routing: LayerRouting,
@@ -176,10 +179,11 @@ def build_layer(cfg: EpLayerConfig, method: str, recipe: str, weights: LayerWeig
         raise ValueError(f"unknown layer method {method!r}")
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose from {list(RECIPES)}")
-    ep = method == "dropless_ep"
+    ep = method in EP_METHODS
     owner = weights.owner
     experts = cfg.E if ep else owner.local_experts
-    layer = _moe(cfg, experts, group if ep else None, None if recipe == "bf16" else recipe, "meta", weights.x.dtype)
+    layer = _moe(cfg, experts, group if ep else None, None if recipe == "bf16" else recipe, "meta", weights.x.dtype,
+                 EP_METHODS.get(method, "nccl"))
     for name in ("experts_gate_up.weight", "experts_down.weight", "shared_experts.gate_up.weight",
                  "shared_experts.down.weight"):
         path, _, attr = name.rpartition(".")

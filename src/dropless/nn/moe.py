@@ -12,6 +12,7 @@ from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, sort_by_expert, unpermute
 from dropless.parallel import combine, dispatch
+from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
 from dropless.quantized import QuantizedTensor, Recipe
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
@@ -77,7 +78,12 @@ class MoE(nn.Module):
         ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
             ``r*E/P .. (r+1)*E/P - 1`` (P must divide E); router and shared experts are replicated, and
             token copies travel to their experts' ranks and back (``dropless.parallel.dispatch`` and
-            ``combine``, one host sync a layer). ``expert_parallel(group)`` makes one from a full layer.
+            ``combine``). ``expert_parallel(group)`` makes one from a full layer.
+        ep_backend: how the copies travel: ``"nccl"`` (``all_to_all_single``, one host sync a layer) or
+            ``"symmetric_memory"`` (no host sync: the layer can be captured in a CUDA graph; its expert
+            products run on buffers sized for the most rows a rank can receive, ``P * T * top_k``).
+        ep_max_tokens: with ``"symmetric_memory"``, the most tokens a rank passes in one forward, when the
+            ranks' token counts differ (default: this forward's).
 
     Experts' weights: ``experts_gate_up.weight [E, 2*d_ff, d_model]`` (gate rows, then up rows) and
     ``experts_down.weight [E, d_model, d_ff]`` (``E/P`` experts with an ``ep_group``).
@@ -95,7 +101,8 @@ class MoE(nn.Module):
                  activation: str = "swiglu", fuse_wgrad_accumulation: bool = False,
                  recompute_activation: bool = False, recompute_permute: bool = False,
                  recipe: str | Recipe | None = None,
-                 ep_group: dist.ProcessGroup | None = None,
+                 ep_group: dist.ProcessGroup | None = None, ep_backend: str = "nccl",
+                 ep_max_tokens: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         # The layer's options, from which expert_parallel() builds the same layer over a group.
         options = {name: value for name, value in locals().items()
@@ -104,7 +111,11 @@ class MoE(nn.Module):
         self.options = options
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        if ep_backend not in EP_BACKENDS:
+            raise ValueError(f"ep_backend must be one of {EP_BACKENDS}, got {ep_backend!r}")
         self.ep_group = ep_group
+        self.ep_backend = ep_backend
+        self.ep_max_tokens = ep_max_tokens
         ranks = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ranks:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the ep_group's size ({ranks})")
@@ -162,7 +173,8 @@ class MoE(nn.Module):
             # product reads them as they come.
             recipe = self.experts_gate_up.recipe
             rows, group_sizes, handle = dispatch(tokens, routing.expert_ids, routing.weights, self.ep_group,
-                                                 num_experts=self.num_experts, recipe=recipe)
+                                                 num_experts=self.num_experts, recipe=recipe,
+                                                 backend=self.ep_backend, max_tokens=self.ep_max_tokens)
             rows, rows_fp8 = rows if recipe is not None else (rows, None)
             y = combine(self._experts(rows, group_sizes, rows_fp8), handle)
         if self.shared_experts is not None:
@@ -194,15 +206,22 @@ class MoE(nn.Module):
         a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True)
         return self.experts_down(a, group_sizes, x_quantized=a_fp8)
 
-    def expert_parallel(self, group: dist.ProcessGroup | None = None) -> MoE:
-        """The same layer over ``group`` (default: the whole world): this rank's experts (copies of their
-        weights), the router and the shared experts replicated. Its outputs on a rank's tokens, and the
+    def expert_parallel(self, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
+                        max_tokens: int | None = None) -> MoE:
+        """The same layer over ``group`` (default: the whole world), its copies moved by ``backend`` (default:
+        the layer's ``ep_backend``; see ``ep_max_tokens`` for ``max_tokens``): this rank's experts (copies of
+        their weights), the router and the shared experts replicated. Its outputs on a rank's tokens, and the
         gradients of its experts, equal this layer's; the router's and shared experts' gradients summed
         over the ranks equal this layer's on all the ranks' tokens."""
         if self.ep_group is not None:
             raise ValueError("this layer is already expert-parallel")
         weight = self.experts_gate_up.weight
-        layer = MoE(**self.options, ep_group=group if group is not None else dist.group.WORLD,
+        options = dict(self.options)
+        if backend is not None:
+            options["ep_backend"] = backend
+        if max_tokens is not None:
+            options["ep_max_tokens"] = max_tokens
+        layer = MoE(**options, ep_group=group if group is not None else dist.group.WORLD,
                     device=weight.device, dtype=weight.dtype)
         layer.router.load_state_dict(self.router.state_dict())
         if self.shared_experts is not None:

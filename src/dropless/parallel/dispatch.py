@@ -1,4 +1,5 @@
-"""Dispatch and combine over a process group with ``all_to_all_single`` after a count exchange.
+"""Dispatch and combine over a process group: ``all_to_all_single`` after a count exchange ("nccl"), or
+through symmetric buffers with no host sync ("symmetric_memory", ``parallel.symmetric``).
 
 E experts are spread over the P ranks of ``group``: rank r owns experts ``r * E/P .. (r+1) * E/P - 1``
 (its local experts). Each rank holds T tokens, each routed to k experts (``topk_idx [T, k]``) with
@@ -17,7 +18,7 @@ reordered from rank-major to local-expert order by one gather; the weighted sum 
 sum of dispatch's backward) is ``dropless.unpermute``: in fp32, in slot order, with no atomics. The
 split sizes of ``all_to_all_single`` live on the host, so the count exchange (a ``[P, E/P]`` table per
 rank) is read back once per dispatch: one host sync, which the backward reuses. On the CPU, gloo runs
-the same algorithm.
+the same algorithm. The "symmetric_memory" backend returns the rows in the same order.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from dropless.backend import use_triton
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
 from dropless.ops.permute import sort_by_expert, sum_copies, unpermute
 from dropless.ops.quantize import quantize
+from dropless.parallel.symmetric import ROW_DTYPES, SymmetricCombine, SymmetricDispatch, SymmetricHandle, dispatch_rows
 from dropless.quantized import QuantizedTensor, operand_recipes
+
+BACKENDS = ("nccl", "symmetric_memory")
 
 
 @dataclass
@@ -84,8 +88,6 @@ def _route(topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | 
     width, so that every rank raises together on bad input (a rank that raised alone would leave the
     others waiting in the next collective)."""
     world = dist.get_world_size(group)
-    if num_experts % world:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
     local = num_experts // world
     slots, group_sizes, offsets = sort_by_expert(topk_idx, num_experts)
     dtype_code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
@@ -187,8 +189,9 @@ class _Return(torch.autograd.Function):
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              group: dist.ProcessGroup | None = None, *, num_experts: int, backend: str = "nccl",
-             recipe: str | None = None) -> tuple[torch.Tensor | tuple[torch.Tensor, QuantizedTensor], torch.Tensor,
-                                                 DispatchHandle]:
+             recipe: str | None = None, max_tokens: int | None = None
+             ) -> tuple[torch.Tensor | tuple[torch.Tensor, QuantizedTensor], torch.Tensor,
+                        DispatchHandle | SymmetricHandle]:
     """Send each token's k copies to the ranks that own their experts.
 
     Args:
@@ -199,7 +202,14 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             ``num_experts``.
         num_experts: E, all ranks' experts together.
         backend: ``"nccl"``: ``all_to_all_single`` after a count exchange (NCCL on GPUs, gloo on the
-            CPU), one host sync per dispatch.
+            CPU), one host sync per dispatch. ``"symmetric_memory"``: the rows move between the ranks'
+            symmetric buffers (torch symmetric memory on GPUs, shared memory between CPU processes) with
+            no host sync after the first call of a size (which makes the buffers, collectively), so a
+            layer can be captured in a CUDA graph; x in fp32/bf16/fp16, and every rank holds the same T
+            (or passes the same ``max_tokens``). It returns ``P * max_tokens * k`` rows, the most a rank
+            can receive: the first ``sum(group_sizes)`` are the copies, in the order above, and the rest
+            are left unwritten (the grouped GEMMs read only the groups' rows). Bad ids and mismatched
+            rows across ranks are checked on the device with ``dropless.set_validation(True)``.
         recipe: an FP8 recipe whose activations quantize along d (``"rowwise"``, ``"block128"``,
             ``"mxfp8"``): each token is quantized once at its rank and its copies travel as FP8 bytes and
             scales (about half the bytes of bf16), for a grouped GEMM to read without quantizing again.
@@ -210,15 +220,21 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         the FP8 rows as a ``QuantizedTensor`` (along d) and their dequantized values in x's dtype,
         differentiable (the gradient goes back to x as without a recipe; a weight gradient quantizes
         these values along the tokens).
+        max_tokens: with "symmetric_memory", the most tokens any rank will dispatch (default: T).
     """
-    if backend != "nccl":
-        raise ValueError(f"backend must be 'nccl', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, d] and topk_idx [T, k], got shapes {tuple(x.shape)} and {tuple(topk_idx.shape)}")
     if topk_weights.shape != topk_idx.shape:
         raise ValueError(f"topk_weights must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
+    if backend == "symmetric_memory":
+        return _dispatch_symmetric(x, topk_idx, topk_weights, group, num_experts, recipe, max_tokens)
     slots, offsets, send, recv, expert_rows, rank_rows, group_sizes = _route(topk_idx, num_experts, group, x)
     handle = DispatchHandle(group, slots, offsets, send, recv, expert_rows, rank_rows, topk_weights, x.shape[0],
                             topk_idx.shape[1])
@@ -234,7 +250,26 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     return (values, rows_fp8), group_sizes, handle
 
 
-def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def _dispatch_symmetric(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        group: dist.ProcessGroup | None, num_experts: int, recipe: str | None, max_tokens: int | None):
+    """``dispatch`` with the "symmetric_memory" backend (the same returns)."""
+    if x.dtype not in ROW_DTYPES:
+        raise ValueError(f"x must be one of {ROW_DTYPES} with the symmetric_memory backend, got {x.dtype}")
+    if max_tokens is not None and max_tokens < x.shape[0]:
+        raise ValueError(f"max_tokens ({max_tokens}) must be at least x's {x.shape[0]} tokens")
+    if recipe is None:
+        (rows,), group_sizes, handle = dispatch_rows(topk_idx, topk_weights, group, num_experts, max_tokens,
+                                                     [x.detach()])
+        return SymmetricDispatch.apply(x, handle, rows), group_sizes, handle
+    act, _ = operand_recipes(resolve_recipe(recipe))
+    q = quantize(x.detach(), act, dim=1)
+    (data, scale), group_sizes, handle = dispatch_rows(topk_idx, topk_weights, group, num_experts, max_tokens,
+                                                       [q.data, q.scale])
+    rows_fp8 = QuantizedTensor(data, scale, q.recipe, 1)
+    return (SymmetricDispatch.apply(x, handle, rows_fp8.dequantize(x.dtype)), rows_fp8), group_sizes, handle
+
+
+def combine(y: torch.Tensor, handle: DispatchHandle | SymmetricHandle) -> torch.Tensor:
     """``out[t] = sum_j topk_weights[t, j] * y(t, j)`` at each token's own rank.
 
     Args:
@@ -243,6 +278,10 @@ def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     Returns:
         ``[T, d']`` in y's dtype.
     """
+    if isinstance(handle, SymmetricHandle):
+        if y.shape[0] != handle.rows:
+            raise ValueError(f"y must have the {handle.rows} rows dispatch returned, got {y.shape[0]}")
+        return SymmetricCombine.apply(y, handle.weights, handle)
     if y.shape[0] != len(handle.expert_rows):
         raise ValueError(f"y must have the {len(handle.expert_rows)} rows dispatch returned, got {y.shape[0]}")
     return _sum_at_sources(_Return.apply(y, handle), handle, handle.weights)

@@ -29,12 +29,13 @@ def ep_group(ep: int, world_size: int, num_experts: int) -> dist.ProcessGroup:
     return groups[dist.get_rank() // ep]
 
 
-def shard_experts(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Replace every MoE layer of ``model`` by its expert-parallel version over ``group``, in place."""
+def shard_experts(model: nn.Module, group: dist.ProcessGroup, backend: str = "nccl") -> None:
+    """Replace every MoE layer of ``model`` by its expert-parallel version over ``group`` (its copies moved
+    by ``backend``), in place."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoE) and child.ep_group is None:
-                setattr(module, child_name, child.expert_parallel(group))
+                setattr(module, child_name, child.expert_parallel(group, backend=backend))
 
 
 def expert_parameters(model: nn.Module) -> dict[str, tuple[nn.Parameter, MoE]]:

@@ -84,7 +84,7 @@ class Trainer:
 
     def __init__(self, preset: str, model_config: ModelConfig, train_config: TrainConfig, corpus: Corpus,
                  out_dir: Path, device: torch.device, ranks: Ranks = Ranks(), *, resume: bool = False,
-                 compile: bool = False, progress: bool = True, ep: int = 1) -> None:
+                 compile: bool = False, progress: bool = True, ep: int = 1, ep_backend: str = "nccl") -> None:
         self.preset = preset
         self.config = train_config
         self.corpus = corpus
@@ -106,7 +106,7 @@ class Trainer:
             self.model.load_state_dict(checkpoint.section("model"))
         if ep > 1:
             expert_parallel.shard_experts(self.model, expert_parallel.ep_group(ep, ranks.world_size,
-                                                                               model_config.num_experts))
+                                                                               model_config.num_experts), ep_backend)
         self.optimizer = make_optimizer(self.model, train_config, device)
         self.sampler = BatchSampler(corpus.train, train_config.batch_size, train_config.seq_len, train_config.seed,
                                     device, ranks.rank, ranks.world_size)
