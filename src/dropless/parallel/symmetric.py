@@ -199,9 +199,10 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
                                           first.shape[1] * first.element_size()))
     ws, at = space.workspace, space.at
     # The facts a rank checks of the others: ids outside [0, E), the rows' dtype and width.
+    # (Filled by kernels: a Python number written into a device tensor would be a copy from the host.)
     facts = torch.full((_FACTS,), first.shape[1], dtype=torch.int32, device=device)
-    facts[0] = T * k - offsets[-1]
-    facts[1] = ROW_DTYPES.index(first.dtype) if first.dtype in ROW_DTYPES else len(ROW_DTYPES)
+    facts[:1].copy_(T * k - offsets[-1:])
+    facts[1:2].fill_(ROW_DTYPES.index(first.dtype) if first.dtype in ROW_DTYPES else len(ROW_DTYPES))
     ws.barrier()
     ws.view(at["table"], (width,), torch.int32).copy_(torch.cat([all_sizes, facts]))
     ws.view(at["slots"], (T * k,), torch.int32).copy_(slots)

@@ -1,0 +1,91 @@
+"""Probe: where the symmetric-memory dispatch and combine spend their time, under torchrun.
+
+DeepEP's setting and Mixtral's (as ``bench ep``), balanced routing, bf16: dispatch + combine timed eagerly
+(host launches included) and replayed from a CUDA graph (the GPU's time alone), and rank 0's profile of
+the eager calls (kernels by GPU time, the host's time).
+
+    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from dropless.bench.routing import draw_topk
+from dropless.parallel import combine, dispatch
+
+
+def _time(fn, n: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    dev = torch.device("cuda", rank)
+    for name, T, d, k, E in (("deepep", 4096, 7168, 8, 256), ("mixtral", 8192, 4096, 2, 8)):
+        x = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
+        ids = draw_topk(T, E, k, "balanced", 0, rank).to(dev)
+        w = torch.rand(T, k, device=dev)
+
+        def dispatch_only():
+            return dispatch(x, ids, w, num_experts=E, backend="symmetric_memory")
+
+        rows, sizes, handle = dispatch_only()
+
+        def both():
+            r, _, h = dispatch_only()
+            return combine(r, h)
+
+        with torch.no_grad():
+            eager_d = _time(dispatch_only)
+            eager_c = _time(lambda: combine(rows, handle))
+            eager = _time(both)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                both()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                both()
+            graphed = _time(graph.replay)
+            graph_d = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_d):
+                dispatch_only()
+            graphed_d = _time(graph_d.replay)
+        copies = int(sizes.sum())
+        mb = copies * d * 2 / 1e6
+        line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); eager dispatch {eager_d:.3f} ms, "
+                f"combine {eager_c:.3f} ms, both {eager:.3f} ms; graph both {graphed:.3f} ms, "
+                f"dispatch {graphed_d:.3f} ms")
+        outs = [None] * world
+        dist.all_gather_object(outs, line)
+        if rank == 0:
+            print("\n".join(outs), flush=True)
+        with torch.no_grad(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                both()
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
