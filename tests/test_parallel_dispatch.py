@@ -71,6 +71,9 @@ def _step(rank, world, per_rank, experts, E, backend="nccl"):
     received = int(sizes.sum())
     if backend == "symmetric_memory":
         assert rows.shape == (world * options["max_tokens"] * idx.shape[1], x.shape[1])
+        # Each token crosses once to each rank it sends copies to.
+        pairs = sum(int(((p[1] // local) == rank).any(1).sum()) for p in per_rank)
+        assert int(handle.staged) == pairs
     # Rows by local expert, each expert's in source-rank then (token, slot) order.
     expected_rows = [p[0][(p[1].reshape(-1) == rank * local + e).nonzero().flatten() // p[1].shape[1]]
                      for e in range(local) for p in per_rank]

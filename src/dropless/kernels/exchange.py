@@ -8,11 +8,9 @@ of rows of ``W`` elements.
     pull_rows:  out[i] = scale(i) * peers[rank[i]][row(i)]          for i < n (n read on the device)
     push_rows:  peers[rank[i]][row[i]] = src[i]                     for i < n
 
-where ``row(i)`` is ``row[i]``, or with a slot table the token ``slot // top_k`` of the slot
-``slot(i)``: read from the source rank's slot table (``peers_slots[rank[i]][row[i]]``, also written to
-``slot_out``), or given (``row[i]`` holds the slot). ``scale(i)`` is 1 or the source rank's weight of
-that slot (fp32, ``peers_weights``), and with ``y`` the pull also writes ``dots[i] = <pulled row, y[i]>``
-in fp32. A row whose rank is negative is written as zeros (a copy that belongs to no rank). Rows at or
+where ``row(i)`` is ``row[i]``, or with slot tables the token ``slot // top_k`` of the slot read from
+the source rank's table (``slot_peers[rank[i]][row[i]]``, also written to ``slot_out``). ``scale(i)`` is 1 or ``scale[i]`` (fp32), and with
+``y`` the pull also writes ``dots[i] = <pulled row, y[i]>`` in fp32. A row whose rank is negative is written as zeros (a copy that belongs to no rank). Rows at or
 past n are not touched: the callers size their outputs for the worst case and read the count on the
 device, so nothing waits for the host. Each output element is written by exactly one program.
 """
@@ -29,15 +27,9 @@ _BLOCK_BYTES = 2048  # bytes of a row a program moves per step
 _BLOCK_M = 4
 _NUM_WARPS = 4
 
-# Where a pulled row's index comes from.
-ROW = 0  # row[i] is the row
-REMOTE_SLOT = 1  # row[i] indexes the source rank's slot table; the row is that slot's token
-LOCAL_SLOT = 2  # row[i] is a slot; the row is its token
-
-
 @triton.jit
 def _pull_kernel(
-    peers, rank_ptr, row_ptr, n_ptr, out, slot_peers, slot_out, weight_peers, y, dots,
+    peers, rank_ptr, row_ptr, n_ptr, out, slot_peers, slot_out, scale, y, dots,
     R, W, top_k,
     SLOTS: tl.constexpr, SCALE: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
@@ -49,18 +41,14 @@ def _pull_kernel(
         live = ok & (rank >= 0)
         rank = tl.where(live, rank, 0)
         row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
-        if SLOTS == 1:
+        if SLOTS:
             table = tl.load(slot_peers + rank, mask=live, other=0).to(slot_out.dtype)
             slot = tl.load(table + row, mask=live, other=0)
             if tl.program_id(1) == 0:
                 tl.store(slot_out + rows, tl.where(live, slot, -1), mask=ok)
-            row = slot.to(tl.int64)
-        if SLOTS > 0:
-            slot = row
-            row = row // top_k
+            row = slot.to(tl.int64) // top_k
         if SCALE:
-            weights = tl.load(weight_peers + rank, mask=live, other=0).to(tl.pointer_type(tl.float32))
-            w = tl.load(weights + slot, mask=live, other=0.0)
+            w = tl.load(scale + rows, mask=live, other=0.0)
         base = tl.load(peers + rank, mask=live, other=0).to(out.dtype)
         rows64 = rows.to(tl.int64)
         dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -102,14 +90,13 @@ def _block_w(W: int, element_size: int) -> int:
 
 
 def pull_rows(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n: torch.Tensor, out: torch.Tensor, *,
-              slots: int = ROW, top_k: int = 1, slot_peers: torch.Tensor | None = None,
-              slot_out: torch.Tensor | None = None, weight_peers: torch.Tensor | None = None,
+              top_k: int = 1, slot_peers: torch.Tensor | None = None,
+              slot_out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               y: torch.Tensor | None = None, dots: torch.Tensor | None = None) -> None:
     """Fill the first ``n`` rows of ``out [R, W]`` (contiguous) from the peers' regions (module docstring).
 
-    rank, row: int32 ``[R]``; n: int ``[1]`` on the device (at most R); slots: ``ROW``, ``REMOTE_SLOT``
-    (``slot_peers``: int64 ``[P]`` addresses of int32 slot tables; ``slot_out``: int32 ``[R]``) or
-    ``LOCAL_SLOT``; weight_peers: int64 ``[P]`` addresses of fp32 weight tables by slot; y ``[R, W]``
+    rank, row: int32 ``[R]``; n: int ``[1]`` on the device (at most R); slot_peers: int64 ``[P]``
+    addresses of int32 slot tables, with slot_out: int32 ``[R]``; scale: fp32 ``[R]``, each row's factor; y ``[R, W]``
     and dots fp32 ``[R]``: the dot products of the pulled rows with y's. The peers' regions hold rows
     of out's dtype. Arguments are not checked: the callers build them.
     """
@@ -122,9 +109,9 @@ def pull_rows(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n: tor
     grid = (cdiv(R, _BLOCK_M), 1 if dot else cdiv(W, block_w))
     _pull_kernel[grid](
         peers, rank, row, n, out, slot_peers if slot_peers is not None else peers,
-        slot_out if slot_out is not None else rank, weight_peers if weight_peers is not None else peers,
+        slot_out if slot_out is not None else rank, scale if scale is not None else out,
         y if dot else out, dots if dot else out, R, W, top_k,
-        SLOTS=slots, SCALE=weight_peers is not None, DOT=dot, BLOCK_M=_BLOCK_M, BLOCK_W=block_w,
+        SLOTS=slot_peers is not None, SCALE=scale is not None, DOT=dot, BLOCK_M=_BLOCK_M, BLOCK_W=block_w,
         num_warps=_NUM_WARPS,
     )
 

@@ -1,21 +1,26 @@
 """Dispatch and combine through symmetric buffers, with nothing that waits for the host.
 
 Every rank publishes what the others need in its own buffer (``Workspace``), a barrier on the stream
-makes it visible, and kernels move the rows straight between the ranks' memories (``kernels.exchange``):
+makes it visible, and kernels move the rows straight between the ranks' memories (``kernels.exchange``).
+A token whose k copies go to several experts of one rank crosses to that rank once (as DeepEP's
+dispatch does): with DeepSeek-V3's top-8 of 256 experts over 4 ranks, about 3.6 rows a token instead
+of 8.
 
-- dispatch: each rank publishes its tokens ``[T, d]``, its copies' slots in expert-sorted order
-  (``sort_by_expert``) and its ``[E]`` counts per expert. Each rank reads the ``[P, E]`` table of counts,
-  lays out the rows it receives (by local expert, each expert's rows in source-rank then sorted order:
-  the layout of the "nccl" backend) and pulls each row from its source's tokens through the source's
-  slot table. The received rows are ``[P * T_max * k, d]``, the most a rank can receive; the first
-  ``sum(group_sizes)`` hold the copies, the rest is left as it was (nothing waits to learn the count).
-- combine: each expert rank pushes its output rows into their sources' buffers, at the copies' sorted
-  places; each source sums its tokens' copies with ``unpermute`` (fp32, slot order), as the "nccl"
-  backend does.
-- the backward passes are the same moves the other way: dispatch's backward pushes the rows' gradients
-  and sums them at the sources; combine's backward publishes the output gradient and the routing
-  weights, the expert ranks pull each row's ``w * grad`` and its dot product with the expert output
-  (the weight's gradient), and push those back.
+- dispatch: each rank publishes its tokens ``[T, d]``, its copies in expert-sorted order
+  (``sort_by_expert``: their slots, and each copy's place among the tokens it sends to the copy's rank),
+  for each rank the list of tokens it sends there, and its counts. Each rank reads the table of counts,
+  pulls each source's tokens for it once into a staging region (source-major), and lays the copies out
+  from there (by local expert, each expert's rows in source-rank then sorted order: the layout of the
+  "nccl" backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
+  ``sum(group_sizes)`` hold them, the rest is left as it was (nothing waits to learn the count).
+- combine: each expert rank sums the weighted outputs of each token's copies it holds (fp32, rounded
+  to y's dtype once) and pushes that one row to the token's rank, which sums the rows from the ranks
+  (fp32, in rank order). With bf16 rows this rounds each rank's partial sum once more than summing all k
+  copies at the source would.
+- the backward passes are the same moves the other way: dispatch's backward sums each token's copies'
+  gradients per rank and pushes them back; combine's backward publishes the output gradient, each expert
+  rank pulls each token's row once and gives each copy ``w * grad`` and the dot product with its output
+  (the routing weight's gradient), which it pushes back.
 
 Each exchange starts with a barrier (no rank writes a peer's buffer before the peer is done reading it)
 and ends with one (no rank reads before every rank has written). Only making the workspace, at the
@@ -32,9 +37,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dropless.kernels.exchange import LOCAL_SLOT, REMOTE_SLOT, pull_rows, push_rows
+from dropless.kernels.exchange import pull_rows, push_rows
+from dropless.kernels.permute import unpermute_rows
 from dropless.ops.checks import validation_enabled
-from dropless.ops.permute import sort_by_expert, sum_copies, unpermute
+from dropless.ops.permute import sort_by_expert
 from dropless.parallel.workspace import Workspace, align
 
 ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,9 +49,11 @@ _FACTS = 3  # after the counts: the ids outside [0, E), the rows' dtype code, th
 
 @dataclass(frozen=True)
 class _Layout:
-    """Byte offsets of the regions of a workspace for ``tokens`` rows per rank of up to ``token_bytes``
-    (published tokens), ``copies`` slots of up to ``copy_bytes`` (rows sent back), ``table`` int32s."""
+    """Byte offsets of the regions of a workspace for ``world`` ranks of up to ``tokens`` tokens of
+    ``copies`` slots each: published rows of up to ``token_bytes`` a token, rows sent back of up to
+    ``copy_bytes``, a ``table`` of int32s."""
 
+    world: int
     tokens: int
     copies: int
     table: int
@@ -53,9 +61,11 @@ class _Layout:
     copy_bytes: int
 
     def offsets(self) -> dict[str, int]:
-        sizes = {"table": 4 * self.table, "slots": 4 * self.copies, "weights": 4 * self.copies,
-                 "dots": 4 * self.copies, "tokens": self.tokens * self.token_bytes,
-                 "rows": self.copies * self.copy_bytes}
+        pairs = self.world * self.tokens  # (token, rank) pairs: the most rows a rank stages or gets back
+        sizes = {"table": 4 * self.table, "slots": 4 * self.copies, "unique": 4 * self.copies,
+                 "lists": 4 * (pairs + 1), "weights": 4 * self.copies, "dots": 4 * self.copies,
+                 "tokens": self.tokens * self.token_bytes, "stage": pairs * self.token_bytes,
+                 "rows": pairs * self.copy_bytes}
         out, at = {}, 0
         for name, size in sizes.items():
             out[name] = at
@@ -102,11 +112,17 @@ def _space(group: dist.ProcessGroup | None, device: torch.device, need: _Layout)
 
 @dataclass
 class SymmetricHandle:
-    """What combine and the backward passes need: the source side's sort (``slots``, ``offsets``, the
-    routing ``weights [T, k]``, ``tokens`` T, ``top_k``) and, for each received row, its source rank
-    (-1 past the received count), its place in the source's sorted copies and its slot there
-    (``src_rank``, ``src_pos``, ``row_slot``: int32 ``[R]``), with the count ``received`` (``[1]``) and
-    the group's size, all on the device."""
+    """What combine and the backward passes need, all on the device.
+
+    Source side: the sort (``slots``, ``offsets``), the routing ``weights [T, k]``, ``tokens`` T, ``top_k``,
+    and ``from_ranks`` int32 ``[T*P]``: at ``t*P + r``, where rank r's row for token t lands when rows
+    come back (``t*P + r`` if t sent copies to r, else past the end).
+    Expert side, per received copy (``[R]``): ``src_rank`` (-1 past the ``received`` count ``[1]``),
+    ``src_pos`` (its place in the source's sorted copies), ``stage_row`` (its token's staged row),
+    ``row_weight`` (fp32), and ``inverse`` ``[U*k]``: the copy of each (staged row, slot j), R if none;
+    per staged row (``[U]``): ``stage_src`` (-1 past the ``staged`` count ``[1]``) and ``stage_token``
+    (its token at the source).
+    """
 
     group: dist.ProcessGroup | None
     slots: torch.Tensor
@@ -115,19 +131,26 @@ class SymmetricHandle:
     tokens: int
     top_k: int
     max_tokens: int
+    world: int
+    rank: int
+    from_ranks: torch.Tensor
     src_rank: torch.Tensor
     src_pos: torch.Tensor
-    row_slot: torch.Tensor
     received: torch.Tensor
-    world: int
+    stage_row: torch.Tensor
+    row_weight: torch.Tensor
+    inverse: torch.Tensor
+    stage_src: torch.Tensor
+    stage_token: torch.Tensor
+    staged: torch.Tensor
 
     @property
     def rows(self) -> int:
         return self.src_rank.shape[0]
 
     def space(self, token_bytes: int = 0, copy_bytes: int = 0) -> _Space:
-        return _space(self.group, self.slots.device,
-                      _Layout(self.max_tokens, self.max_tokens * self.top_k, 0, token_bytes, copy_bytes))
+        return _space(self.group, self.slots.device, _Layout(self.world, self.max_tokens, self.max_tokens * self.top_k,
+                                                             0, token_bytes, copy_bytes))
 
 
 def as_words(rows: torch.Tensor) -> torch.Tensor:
@@ -180,6 +203,27 @@ def _check_table(table: torch.Tensor, num_experts: int) -> None:
         torch._assert_async(facts[:, 1:].eq(facts[:1, 1:]).all(), "x must have one dtype and width on every rank")
 
 
+def _segments(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``total`` rows laid out as segments of ``sizes [P]`` rows one after another: each row's
+    segment (-1 past the end), its place in it, and the rows in all ``[1]``."""
+    ends = sizes.long().cumsum(0)
+    i = torch.arange(total, device=sizes.device)
+    segment = torch.searchsorted(ends, i, right=True).clamp_(max=sizes.numel() - 1)
+    count = ends[-1:]
+    place = i - (ends - sizes.long())[segment]
+    return torch.where(i < count, segment, -1).to(torch.int32), place.to(torch.int32), count
+
+
+def _sends(topk_idx: torch.Tensor, world: int, local: int, max_tokens: int):
+    """Which ranks each token sends copies to: ``[T, P]`` bool; each (token, rank)'s place among the tokens
+    sent to that rank, ``[T, P]`` int64; each copy's rank (``world`` for an id outside the experts)."""
+    T, k = topk_idx.shape
+    ids = topk_idx.long()
+    dest = torch.where((ids >= 0) & (ids < world * local), ids // local, world)
+    sends = torch.zeros(T, world + 1, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)[:, :world]
+    return sends, sends.long().cumsum(0) - 1, dest
+
+
 def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dist.ProcessGroup | None,
                   num_experts: int, max_tokens: int | None,
                   published: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, SymmetricHandle]:
@@ -188,14 +232,16 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     ...]`` tables; returns them, the local group sizes int32 ``[E/P]`` and the handle."""
     T, k = topk_idx.shape
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local = num_experts // world
     max_tokens = max(max_tokens or 0, T)
     device = topk_idx.device
     slots, all_sizes, offsets = sort_by_expert(topk_idx, num_experts)
+    sends, place, dest = _sends(topk_idx, world, local, max_tokens)
     words = [as_words(t) for t in published]
     row_bytes = [align(w.shape[1] * w.element_size()) for w in words]
-    width = num_experts + _FACTS
+    width = num_experts + _FACTS + world
     first = published[0]
-    space = _space(group, device, _Layout(max_tokens, max_tokens * k, width, sum(row_bytes),
+    space = _space(group, device, _Layout(world, max_tokens, max_tokens * k, width, sum(row_bytes),
                                           first.shape[1] * first.element_size()))
     ws, at = space.workspace, space.at
     # The facts a rank checks of the others: ids outside [0, E), the rows' dtype and width.
@@ -203,73 +249,105 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     facts = torch.full((_FACTS,), first.shape[1], dtype=torch.int32, device=device)
     facts[:1].copy_(T * k - offsets[-1:])
     facts[1:2].fill_(ROW_DTYPES.index(first.dtype) if first.dtype in ROW_DTYPES else len(ROW_DTYPES))
+    pairs = world * max_tokens
+    tokens = torch.arange(T, device=device)
+    # Each copy's place among the tokens its rank gets from this one, in sorted order.
+    unique = torch.cat([place, place.new_zeros(T, 1)], 1).gather(1, dest).reshape(-1)[slots.long()]
     ws.barrier()
-    ws.view(at["table"], (width,), torch.int32).copy_(torch.cat([all_sizes, facts]))
+    ws.view(at["table"], (width,), torch.int32).copy_(torch.cat([all_sizes, facts, sends.sum(0).to(torch.int32)]))
     ws.view(at["slots"], (T * k,), torch.int32).copy_(slots)
-    # Each published table has its own part of the tokens region, max_tokens rows of its row bytes.
-    parts = [at["tokens"] + sum(row_bytes[:n]) * max_tokens for n in range(len(words))]
+    ws.view(at["unique"], (T * k,), torch.int32).copy_(unique)
+    ws.view(at["weights"], (T * k,), torch.float32).copy_(topk_weights.detach().reshape(-1))
+    # Rank r's list of the tokens sent to it at [r * max_tokens, ...); the others land past the lists.
+    lists_at = torch.where(sends, torch.arange(world, device=device) * max_tokens + place, pairs)
+    ws.view(at["lists"], (pairs + 1,), torch.int32).scatter_(0, lists_at.reshape(-1),
+                                                            tokens.view(T, 1).expand(T, world).reshape(-1).to(torch.int32))
+    parts = [sum(row_bytes[:n]) for n in range(len(words))]  # each table's part of a token's (or pair's) bytes
     for w, part in zip(words, parts):
-        ws.view(part, tuple(w.shape), w.dtype).copy_(w)
+        ws.view(at["tokens"] + part * max_tokens, tuple(w.shape), w.dtype).copy_(w)
     ws.barrier()
     table = _pull_table(space, width, device)
     _check_table(table, num_experts)
-    R = world * max_tokens * k
+    R, U = world * max_tokens * k, pairs
     src_rank, src_pos, received, group_sizes = _receive_layout(table, rank, world, num_experts, R)
-    row_slot = torch.empty(R, dtype=torch.int32, device=device)
+    stage_src, stage_place, staged = _segments(table[:, num_experts + _FACTS + rank], U)
+    # Each copy's staged row: where its source's tokens start, and its place among them.
+    unique_of = torch.empty(R, 1, dtype=torch.int32, device=device)
+    slot_of = torch.empty(R, 1, dtype=torch.int32, device=device)
+    row_weight = torch.empty(R, 1, dtype=torch.float32, device=device)
+    pull_rows(ws.peers(at["unique"]), src_rank, src_pos, received, unique_of)
+    pull_rows(ws.peers(at["slots"]), src_rank, src_pos, received, slot_of)
+    pull_rows(ws.peers(at["weights"]), src_rank, slot_of.view(-1), received, row_weight)
+    from_each = table[:, num_experts + _FACTS + rank].long()
+    stage_row = ((from_each.cumsum(0) - from_each)[src_rank.clamp(min=0).long()] + unique_of.view(-1)).to(torch.int32)
+    here = torch.where(src_rank >= 0, rank, -1).to(torch.int32)
+    stage_token = torch.empty(U, dtype=torch.int32, device=device)
     out = []
     for n, (t, w, part) in enumerate(zip(published, words, parts)):
-        rows = torch.empty((R, w.shape[1]), dtype=w.dtype, device=device)
+        stage = ws.view(at["stage"] + part * U, (U, w.shape[1]), w.dtype)
         if n == 0:
-            pull_rows(ws.peers(part), src_rank, src_pos, received, rows, slots=REMOTE_SLOT, top_k=k,
-                      slot_peers=ws.peers(at["slots"]), slot_out=row_slot)
+            pull_rows(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_place, staged, stage,
+                      slot_peers=ws.peers(at["lists"] + 4 * rank * max_tokens), slot_out=stage_token)
         else:
-            pull_rows(ws.peers(part), src_rank, row_slot, received, rows, slots=LOCAL_SLOT, top_k=k)
+            pull_rows(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_token, staged, stage)
+        rows = torch.empty((R, w.shape[1]), dtype=w.dtype, device=device)
+        pull_rows(ws.peers(at["stage"] + part * U), here, stage_row, received, rows)
         out.append(rows.view(t.dtype).view(R, *t.shape[1:]))
-    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, src_rank, src_pos, row_slot,
-                             received, world)
+    # Each (staged row, slot j)'s copy, for the sums per staged row; rows past the count land past the end.
+    key = torch.where(torch.arange(R, device=device) < received, stage_row.long() * k + slot_of.view(-1) % k, U * k)
+    inverse = torch.full((U * k + 1,), R, dtype=torch.int32, device=device).scatter_(
+        0, key, torch.arange(R, dtype=torch.int32, device=device))[:U * k]
+    from_ranks = torch.where(sends, tokens.view(T, 1) * world + torch.arange(world, device=device), T * world)
+    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank,
+                             from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received, stage_row,
+                             row_weight.view(-1), inverse, stage_src, stage_token, staged)
     return out, group_sizes, handle
 
 
-def _rows_to_sources(rows: torch.Tensor, handle: SymmetricHandle) -> torch.Tensor:
-    """Push the received rows (``[R, w]``) to their sources; returns this rank's ``[T*k, w]`` copies in
-    sorted order (a view of the workspace: read it before the next exchange)."""
-    words = as_words(rows)
+def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weighted: bool = False) -> torch.Tensor:
+    """Each token's copies (received rows ``[R, w]``, gradients or outputs) summed at its rank in fp32,
+    weighted by the routing weights if ``weighted``: ``[T, w]`` in rows' dtype. Each rank sums the
+    copies it holds per token (rounded to rows' dtype), pushes one row a token back, and the token's
+    rank sums those."""
+    T, k, P, U = handle.tokens, handle.top_k, handle.world, handle.stage_src.shape[0]
+    partial = torch.empty(U, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    weights = torch.zeros(U * k + 1, dtype=torch.float32, device=rows.device)
+    if weighted:
+        valid = handle.inverse < handle.rows
+        weights[:U * k] = torch.where(valid, handle.row_weight[handle.inverse.long().clamp(max=handle.rows - 1)], 0.0)
+    unpermute_rows(rows, handle.inverse, handle.received, k, partial,
+                   weights[:U * k].view(U, k) if weighted else None)
+    words = as_words(partial)
     space = handle.space(copy_bytes=words.shape[1] * words.element_size())
     ws = space.workspace
     ws.barrier()
-    push_rows(words, ws.peers(space.at["rows"]), handle.src_rank, handle.src_pos, handle.received)
+    push_rows(words, ws.peers(space.at["rows"]), handle.stage_src,
+              handle.stage_token * P + handle.rank, handle.staged)
     ws.barrier()
-    copies = ws.view(space.at["rows"], (handle.tokens * handle.top_k, words.shape[1]), words.dtype)
-    return copies.view(rows.dtype).view(-1, *rows.shape[1:])
-
-
-def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's copies (received rows ``[R, w]``, gradients or outputs) summed at its rank in fp32,
-    weighted by ``weights [T, k]`` if given: ``[T, w]`` in rows' dtype."""
-    copies = _rows_to_sources(rows, handle)
-    with torch.no_grad():
-        if weights is None:
-            return sum_copies(copies, handle.slots, handle.offsets, handle.tokens)
-        return unpermute(copies, handle.slots, weights, handle.offsets)
+    back = ws.view(space.at["rows"], (T * P, words.shape[1]), words.dtype).view(rows.dtype).view(T * P, rows.shape[1])
+    out = torch.empty(T, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    unpermute_rows(back, handle.from_ranks, torch.full((1,), T * P, dtype=torch.int32, device=rows.device), P, out)
+    return out
 
 
 def combine_backward(grad: torch.Tensor, y: torch.Tensor, handle: SymmetricHandle,
                      weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad [T, w]`` of combine's output -> (the gradient of y ``[R, w]``: ``weight * grad[t]`` for each
     received row, and if ``weights_grad``, the routing weights' ``[T, k]``: ``<grad[t], y(t, j)>``)."""
-    T, k = handle.tokens, handle.top_k
+    T, k, U = handle.tokens, handle.top_k, handle.stage_src.shape[0]
     grad = grad.contiguous()
-    w_bytes = grad.shape[1] * grad.element_size()
-    space = handle.space(token_bytes=align(w_bytes))
+    space = handle.space(token_bytes=align(grad.shape[1] * grad.element_size()))
     ws, at = space.workspace, space.at
     ws.barrier()
     ws.view(at["tokens"], (T, grad.shape[1]), grad.dtype).copy_(grad)
-    ws.view(at["weights"], (T * k,), torch.float32).copy_(handle.weights.detach().reshape(-1))
     ws.barrier()
+    stage = ws.view(at["stage"], (U, grad.shape[1]), grad.dtype)
+    pull_rows(ws.peers(at["tokens"]), handle.stage_src, handle.stage_token, handle.staged, stage)
+    here = torch.where(handle.src_rank >= 0, handle.rank, -1).to(torch.int32)
     grad_y = torch.empty(handle.rows, grad.shape[1], dtype=grad.dtype, device=grad.device)
     dots = torch.empty(handle.rows, dtype=torch.float32, device=grad.device) if weights_grad else None
-    pull_rows(ws.peers(at["tokens"]), handle.src_rank, handle.row_slot, handle.received, grad_y, slots=LOCAL_SLOT,
-              top_k=k, weight_peers=ws.peers(at["weights"]), y=y.contiguous() if weights_grad else None, dots=dots)
+    pull_rows(ws.peers(at["stage"]), here, handle.stage_row, handle.received, grad_y, scale=handle.row_weight,
+              y=y.contiguous() if weights_grad else None, dots=dots)
     if not weights_grad:
         return grad_y, None
     push_rows(dots.view(-1, 1), ws.peers(at["dots"]), handle.src_rank, handle.src_pos, handle.received)
@@ -301,7 +379,7 @@ class SymmetricCombine(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, handle: SymmetricHandle) -> torch.Tensor:
         ctx.handle = handle
         ctx.save_for_backward(y)
-        return sum_at_sources(y, handle, weights)
+        return sum_at_sources(y, handle, weighted=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
