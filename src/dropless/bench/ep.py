@@ -7,7 +7,8 @@ Two parts, every rank running the same cases in the same order:
 ``dropless.parallel.dispatch`` backend the probe finds accepted (``dropless_<backend>``, and with
 ``--fp8`` its rowwise FP8 dispatch), against NCCL ``all_to_all_single`` with its count exchange
 (``a2a_with_counts``) and with the sizes known (``a2a_data_only``), on the same tokens and routing.
-A backend dispatch refuses is not a method; the result's ``meta.backends`` says why.
+A backend dispatch refuses is not a method; the result's ``meta.backends`` says why. On GPUs the backends
+with no host sync are also timed replayed from CUDA graphs (``dropless_<backend>_graph``).
 
 - bytes crossing ranks, per rank: dispatch = copies this rank sends to other ranks x bytes of a row on
   the wire (``d`` elements in the rows' dtype; FP8 data and scales with ``--fp8``); combine = the rows it
@@ -217,7 +218,7 @@ def run_ep(opts: EpOptions, ranks: Ranks, log: Callable[[str], None] = lambda s:
     for b in opts.backends:
         if b not in accepted:
             say(f"dispatch backend {b}: {status[b]}")
-    methods = ep_exchange.method_names(accepted, opts.fp8)
+    methods = ep_exchange.method_names(accepted, opts.fp8, graphs=ranks.device.type == "cuda")
     per_rank = {"records": {}, "samples": {}}
     if "exchange" in opts.parts:
         _run_exchange(opts, ranks, methods, per_rank, say)
@@ -387,7 +388,7 @@ def _exchange_rows(opts: EpOptions, world: int, methods: Sequence[str], gathered
             for method in methods:
                 base = {"part": "exchange", "case": case.name, "routing": routing, "gpus": world, "T": case.T,
                         "d": case.d, "k": case.k, "E": case.E, "method": method,
-                        "backend": method.removeprefix("dropless_").removesuffix("_fp8")
+                        "backend": method.removeprefix("dropless_").removesuffix("_fp8").removesuffix("_graph")
                         if method.startswith("dropless_") else None}
                 passes = {}
                 for pass_ in ep_exchange.PASSES:

@@ -15,6 +15,9 @@ order (sorted by expert, as a permute leaves them) and time only the exchanges:
   its count exchange, sort, gathers and reorder included) and ``combine`` (the weighted sum back at each
   token's rank); ``dropless_<backend>_fp8``: dispatch with the rowwise FP8 recipe (quantized at the
   source, FP8 bytes and fp32 scales on the wire), combine in the rows' dtype as without it.
+- ``dropless_<backend>_graph`` (on GPUs, for the backends with no host sync): the same dispatch and
+  combine, each captured in a CUDA graph and replayed, as a training step captured whole runs them: the
+  GPU's time without the host's launches.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ PASSES = ("dispatch", "combine")
 PEERS = ("a2a_with_counts", "a2a_data_only")
 # Backends tried with dispatch; a method ``dropless_<backend>`` runs for each one dispatch accepts.
 DISPATCH_BACKENDS = ("nccl", "symmetric_memory")
+# Backends with no host sync, which a CUDA graph can capture.
+GRAPH_BACKENDS = ("symmetric_memory",)
 FP8_RECIPE = "rowwise"
 
 
@@ -193,10 +198,24 @@ def build_peer(name: str, inp: ExchangeInputs) -> ExchangeMethod:
     return ExchangeMethod(fns, {"dispatch": _row_bytes(inp.send), "combine": _row_bytes(inp.send)}, errors)
 
 
-def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None) -> ExchangeMethod:
+def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` (already run once) captured in a CUDA graph: returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None, graph: bool = False) -> ExchangeMethod:
     """``dispatch`` and ``combine`` of ``dropless.parallel`` with ``backend`` (and an FP8 ``recipe`` for the
     dispatch), checked once: the rows and group sizes dispatch returns, and combine of those rows, which
-    gives the tokens back (the weights sum to 1; with a recipe, the tokens as their FP8 rows hold them)."""
+    gives the tokens back (the weights sum to 1; with a recipe, the tokens as their FP8 rows hold them).
+    With ``graph``, each pass is then captured in a CUDA graph and timed as its replay."""
     E = inp.case.E
 
     def run_dispatch():
@@ -223,12 +242,18 @@ def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None)
         errors = {"dispatch": rel_err(values[:len(inp.expected_rows)], inp.expected_rows),
                   "combine": rel_err(combine(values, handle), expected_out)}
     fns = {"dispatch": run_dispatch, "combine": lambda: combine(values, handle)}
+    if graph:
+        with torch.no_grad():
+            fns = {pass_: _graphed(fn) for pass_, fn in fns.items()}
     return ExchangeMethod(fns, row_bytes, errors)
 
 
-def method_names(backends: Sequence[str], fp8: bool) -> list[str]:
-    """The methods of a run: each accepted backend (and its FP8 dispatch with ``fp8``), then the peers."""
+def method_names(backends: Sequence[str], fp8: bool, graphs: bool = False) -> list[str]:
+    """The methods of a run: each accepted backend (and with ``graphs`` its graph-replayed version where it
+    has one, with ``fp8`` its FP8 dispatch), then the peers."""
     names = [f"dropless_{b}" for b in backends]
+    if graphs:
+        names += [f"dropless_{b}_graph" for b in backends if b in GRAPH_BACKENDS]
     if fp8:
         names += [f"dropless_{b}_fp8" for b in backends]
     return names + list(PEERS)
@@ -238,6 +263,8 @@ def build_method(name: str, inp: ExchangeInputs) -> ExchangeMethod:
     if name in PEERS:
         return build_peer(name, inp)
     backend = name.removeprefix("dropless_")
+    if backend.endswith("_graph"):
+        return build_dropless(backend.removesuffix("_graph"), inp, graph=True)
     if backend.endswith("_fp8"):
         return build_dropless(backend.removesuffix("_fp8"), inp, FP8_RECIPE)
     return build_dropless(backend, inp)
