@@ -90,6 +90,8 @@ class _Space:
 
 
 _SPACES: dict[tuple[int, str], _Space] = {}
+# Workspaces outgrown by a larger one stay allocated: a CUDA graph captured on one replays its addresses.
+_OUTGROWN: list[_Space] = []
 
 
 def _space(group: dist.ProcessGroup | None, device: torch.device, need: _Layout) -> _Space:
@@ -102,7 +104,7 @@ def _space(group: dist.ProcessGroup | None, device: torch.device, need: _Layout)
         return space
     if space is not None:
         need = need.union(space.layout)
-        space.workspace.barrier()  # the old buffers are read no more
+        _OUTGROWN.append(space)
     sizes = torch.tensor(list(vars(need).values()), dtype=torch.int64).to(device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     agreed = _Layout(*sizes.tolist())  # sync-ok: only when a workspace is made
