@@ -67,11 +67,15 @@ def main() -> None:
             with torch.cuda.graph(graph_d):
                 dispatch_only()
             graphed_d = _time(graph_d.replay)
+            graph_c = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_c):
+                combine(rows, handle)
+            graphed_c = _time(graph_c.replay)
         copies = int(sizes.sum())
         mb = copies * d * 2 / 1e6
         line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); eager dispatch {eager_d:.3f} ms, "
                 f"combine {eager_c:.3f} ms, both {eager:.3f} ms; graph both {graphed:.3f} ms, "
-                f"dispatch {graphed_d:.3f} ms")
+                f"dispatch {graphed_d:.3f} ms, combine {graphed_c:.3f} ms")
         outs = [None] * world
         dist.all_gather_object(outs, line)
         if rank == 0:

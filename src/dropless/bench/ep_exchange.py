@@ -198,8 +198,20 @@ def build_peer(name: str, inp: ExchangeInputs) -> ExchangeMethod:
     return ExchangeMethod(fns, {"dispatch": _row_bytes(inp.send), "combine": _row_bytes(inp.send)}, errors)
 
 
-def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` (already run once) captured in a CUDA graph: returns its replay."""
+@dataclass
+class _Graphed:
+    """A call captured in a CUDA graph; calling replays it. It holds ``fn``, whose closure holds the
+    tensors the graph reads (freed, their memory would be handed to other tensors)."""
+
+    fn: Callable[[], object]
+    graph: torch.cuda.CUDAGraph
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def _graphed(fn: Callable[[], object]) -> _Graphed:
+    """``fn`` (already run once) captured in a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -208,7 +220,7 @@ def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+    return _Graphed(fn, graph)
 
 
 def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None, graph: bool = False) -> ExchangeMethod:
