@@ -63,7 +63,7 @@ class _Layout:
     def offsets(self) -> dict[str, int]:
         pairs = self.world * self.tokens  # (token, rank) pairs: the most rows a rank stages or gets back
         sizes = {"table": 4 * self.table, "slots": 4 * self.copies, "unique": 4 * self.copies,
-                 "lists": 4 * (pairs + 1), "weights": 4 * self.copies, "dots": 4 * self.copies,
+                 "lists": 8 * pairs, "weights": 4 * self.copies, "dots": 4 * self.copies,
                  "tokens": self.tokens * self.token_bytes, "stage": pairs * self.token_bytes,
                  "rows": pairs * self.copy_bytes}
         out, at = {}, 0
@@ -260,10 +260,12 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     ws.view(at["slots"], (T * k,), torch.int32).copy_(slots)
     ws.view(at["unique"], (T * k,), torch.int32).copy_(unique)
     ws.view(at["weights"], (T * k,), torch.float32).copy_(topk_weights.detach().reshape(-1))
-    # Rank r's list of the tokens sent to it at [r * max_tokens, ...); the others land past the lists.
-    lists_at = torch.where(sends, torch.arange(world, device=device) * max_tokens + place, pairs)
-    ws.view(at["lists"], (pairs + 1,), torch.int32).scatter_(0, lists_at.reshape(-1),
-                                                            tokens.view(T, 1).expand(T, world).reshape(-1).to(torch.int32))
+    # Rank r's list of the tokens sent to it at [r * max_tokens, ...). The (token, rank) pairs with no copy
+    # land past the lists, each in a place of its own (many stores to one address would queue up).
+    pair = torch.arange(T * world, device=device).view(T, world)
+    lists_at = torch.where(sends, torch.arange(world, device=device) * max_tokens + place, pairs + pair)
+    ws.view(at["lists"], (2 * pairs,), torch.int32).scatter_(0, lists_at.reshape(-1),
+                                                           tokens.view(T, 1).expand(T, world).reshape(-1).to(torch.int32))
     parts = [sum(row_bytes[:n]) for n in range(len(words))]  # each table's part of a token's (or pair's) bytes
     for w, part in zip(words, parts):
         ws.view(at["tokens"] + part * max_tokens, tuple(w.shape), w.dtype).copy_(w)
@@ -295,10 +297,12 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
         rows = torch.empty((R, w.shape[1]), dtype=w.dtype, device=device)
         pull_rows(ws.peers(at["stage"] + part * U), here, stage_row, received, rows)
         out.append(rows.view(t.dtype).view(R, *t.shape[1:]))
-    # Each (staged row, slot j)'s copy, for the sums per staged row; rows past the count land past the end.
-    key = torch.where(torch.arange(R, device=device) < received, stage_row.long() * k + slot_of.view(-1) % k, U * k)
-    inverse = torch.full((U * k + 1,), R, dtype=torch.int32, device=device).scatter_(
-        0, key, torch.arange(R, dtype=torch.int32, device=device))[:U * k]
+    # Each (staged row, slot j)'s copy, for the sums per staged row; rows past the count land past the end,
+    # each in a place of its own.
+    copy = torch.arange(R, device=device)
+    key = torch.where(copy < received, stage_row.long() * k + slot_of.view(-1) % k, U * k + copy)
+    inverse = torch.full((U * k + R,), R, dtype=torch.int32, device=device).scatter_(
+        0, key, copy.to(torch.int32))[:U * k]
     from_ranks = torch.where(sends, tokens.view(T, 1) * world + torch.arange(world, device=device), T * world)
     handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank,
                              from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received, stage_row,
