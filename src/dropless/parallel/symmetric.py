@@ -223,7 +223,10 @@ def _sends(topk_idx: torch.Tensor, world: int, local: int, max_tokens: int):
     ids = topk_idx.long()
     dest = torch.where((ids >= 0) & (ids < world * local), ids // local, world)
     sends = torch.zeros(T, world + 1, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)[:, :world]
-    return sends, sends.long().cumsum(0) - 1, dest
+    # The running count along the tokens, as a scan of contiguous rows: a scan down the columns of
+    # [T, P] runs one thread per column, T steps one after another.
+    place = sends.t().contiguous().long().cumsum(1).t() - 1
+    return sends, place, dest
 
 
 def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dist.ProcessGroup | None,
