@@ -21,11 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
+from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 
 _BLOCK_BYTES = 2048  # bytes of a row a program moves per step
-_BLOCK_M = 4
 _NUM_WARPS = 4
+
+
+def _block_m() -> int:
+    """Rows per program: 4 on GPUs (many programs in flight hide the peers' latency); 64 under the
+    interpreter, which runs programs one after another."""
+    return 64 if interpreting() else 4
 
 @triton.jit
 def _pull_kernel(
@@ -105,13 +110,13 @@ def pull_rows(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n: tor
     if R == 0 or W == 0:
         return
     dot = y is not None
-    block_w = _block_w(W, out.element_size())
-    grid = (cdiv(R, _BLOCK_M), 1 if dot else cdiv(W, block_w))
+    block_w, block_m = _block_w(W, out.element_size()), _block_m()
+    grid = (cdiv(R, block_m), 1 if dot else cdiv(W, block_w))
     _pull_kernel[grid](
         peers, rank, row, n, out, slot_peers if slot_peers is not None else peers,
         slot_out if slot_out is not None else rank, scale if scale is not None else out,
         y if dot else out, dots if dot else out, R, W, top_k,
-        SLOTS=slot_peers is not None, SCALE=scale is not None, DOT=dot, BLOCK_M=_BLOCK_M, BLOCK_W=block_w,
+        SLOTS=slot_peers is not None, SCALE=scale is not None, DOT=dot, BLOCK_M=block_m, BLOCK_W=block_w,
         num_warps=_NUM_WARPS,
     )
 
@@ -125,6 +130,6 @@ def push_rows(src: torch.Tensor, peers: torch.Tensor, rank: torch.Tensor, row: t
     R, W = src.shape
     if R == 0 or W == 0:
         return
-    block_w = _block_w(W, src.element_size())
-    _push_kernel[(cdiv(R, _BLOCK_M), cdiv(W, block_w))](src, peers, rank, row, n, R, W, BLOCK_M=_BLOCK_M,
-                                                         BLOCK_W=block_w, num_warps=_NUM_WARPS)
+    block_w, block_m = _block_w(W, src.element_size()), _block_m()
+    _push_kernel[(cdiv(R, block_m), cdiv(W, block_w))](src, peers, rank, row, n, R, W, BLOCK_M=block_m,
+                                                        BLOCK_W=block_w, num_warps=_NUM_WARPS)

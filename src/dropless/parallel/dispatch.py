@@ -206,7 +206,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             symmetric buffers (torch symmetric memory on GPUs, shared memory between CPU processes) with
             no host sync after the first call of a size (which makes the buffers, collectively), so a
             layer can be captured in a CUDA graph; x in fp32/bf16/fp16, and every rank holds the same T
-            (or passes the same ``max_tokens``). It returns ``P * max_tokens * k`` rows, the most a rank
+            (or passes the same ``max_tokens``) and rows of the same width: the buffers are sized by the
+            first call and grown collectively, so a rank that alone outgrows them waits for its peers. It returns ``P * max_tokens * k`` rows, the most a rank
             can receive: the first ``sum(group_sizes)`` are the copies, in the order above, and the rest
             are left unwritten (the grouped GEMMs read only the groups' rows). Bad ids and mismatched
             rows across ranks are checked on the device with ``dropless.set_validation(True)``.

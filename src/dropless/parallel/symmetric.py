@@ -90,7 +90,8 @@ class _Space:
 
 
 _SPACES: dict[tuple[int, str], _Space] = {}
-# Workspaces outgrown by a larger one stay allocated: a CUDA graph captured on one replays its addresses.
+# GPU workspaces outgrown by a larger one stay allocated: a CUDA graph captured on one replays its
+# addresses. (CPU processes capture no graphs; theirs go, once every rank is done with them.)
 _OUTGROWN: list[_Space] = []
 
 
@@ -104,7 +105,10 @@ def _space(group: dist.ProcessGroup | None, device: torch.device, need: _Layout)
         return space
     if space is not None:
         need = need.union(space.layout)
-        _OUTGROWN.append(space)
+        if device.type == "cuda":
+            _OUTGROWN.append(space)
+        else:
+            space.workspace.barrier()
     sizes = torch.tensor(list(vars(need).values()), dtype=torch.int64).to(device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
     agreed = _Layout(*sizes.tolist())  # sync-ok: only when a workspace is made
