@@ -256,6 +256,54 @@ def test_grad_in_place_writes_the_same_gradient_over_h(activation, layout, backe
         torch.autograd.grad(a, x, da)
 
 
+@pytest.mark.parametrize("recipe", [None, "rowwise", "block128"])
+@pytest.mark.parametrize("n", [0, 29, 70])
+@pytest.mark.parametrize("activation", list(OPS))
+def test_rows_bound_the_rows_computed(activation, n, recipe, triton_backend):
+    """``rows=[n]`` on h of 70 rows whose rows from n on are NaN: a, its FP8 copy and dh (written over h,
+    as the MoE layer asks) hold, bit for bit, the op's results on the first n rows alone, and dh's rows
+    from n on are h's, untouched. The launchers leave a's and the FP8 copy's rows from n on as they were."""
+    device = triton_backend
+    M, Fh = 70, 300
+    h0 = make_h(M, Fh, torch.float32, device)
+    h0[n:] = float("nan")
+    da = torch.randn(M, Fh, device=device)
+    rows = torch.tensor([n], device=device)
+    leaf = h0[:n].clone().requires_grad_()
+    alone = OPS[activation](leaf, recipe=recipe)
+    (alone[0] if recipe else alone).backward(da[:n])
+    x = h0.clone().requires_grad_()
+    h = x * 1.0
+    bounded = OPS[activation](h, recipe=recipe, grad_in_place=True, rows=rows)
+    a = bounded[0] if recipe else bounded
+    assert torch.equal(a[:n], alone[0] if recipe else alone)
+    if recipe:
+        assert torch.equal(raw(bounded[1].data[:n]), raw(alone[1].data))
+        assert torch.equal(bounded[1].scale[:n], alone[1].scale)
+    (dh,) = torch.autograd.grad(a, h, da)
+    assert torch.equal(dh[:n], leaf.grad) and bool(dh[n:].isnan().all())
+    poisoned = torch.full((M, Fh), float("nan"), device=device)
+    if recipe is None:
+        glu_forward(h0, poisoned, activation, rows)
+    else:
+        r = resolve_recipe(recipe)
+        data, scale = empty_quantized((M, Fh), r, 1, None, device)
+        raw(data).fill_(POISON[FP8_DTYPE])
+        scale.fill_(float("nan"))
+        glu_forward_quantized(h0, poisoned, data, scale, activation, r, rows)
+        assert bool(torch.isnan(data[n:].float()).all()) and bool(torch.isnan(scale[n:]).all())
+        assert not torch.isnan(data[:n].float()).any()
+    assert torch.equal(poisoned[:n], alone[0] if recipe else alone) and bool(poisoned[n:].isnan().all())
+
+
+def test_rows_is_checked(triton_backend):
+    h = torch.randn(4, 6, device=triton_backend)
+    with pytest.raises(ValueError, match="rows must be an int32/int64 tensor of shape"):
+        swiglu(h, rows=torch.tensor([1.0], device=triton_backend))
+    with pytest.raises(ValueError, match="rows must be"):
+        swiglu(h, rows=torch.tensor([[1]], device=triton_backend))
+
+
 # ---------------------------------------------------------------------------------------------------
 # torch.compile (reference backend on the CPU: the custom ops' fake impls carry the tracing)
 

@@ -56,21 +56,21 @@ def _reference(per_rank, experts):
 def _step(rank, world, per_rank, experts, E, backend="nccl"):
     """This rank's dispatch, local experts and combine; returns outputs and gradients. The symmetric
     backend's rows past the received ones (left unwritten) go through the experts' stand-in untouched:
-    combine must ignore them whatever they hold."""
+    combine must ignore them whatever they hold. The ranks hold different numbers of tokens."""
     local = E // world
     device = rank_device()
     x, idx, w, g = (t.to(device) for t in per_rank[rank])
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     W = experts[rank * local:(rank + 1) * local].clone().to(device).requires_grad_()
-    options = {"backend": backend}
-    if backend == "symmetric_memory":
-        options["max_tokens"] = max(p[0].shape[0] for p in per_rank)
-    rows, sizes, handle = dispatch(x, idx, w, num_experts=E, **options)
+    rows, sizes, handle = dispatch(x, idx, w, num_experts=E, backend=backend)
     expected_sizes = sum(torch.bincount(p[1].reshape(-1), minlength=E) for p in per_rank)[rank * local:(rank + 1) * local]
     assert sizes.dtype == torch.int32 and sizes.tolist() == expected_sizes.tolist()
     received = int(sizes.sum())
     if backend == "symmetric_memory":
-        assert rows.shape == (world * options["max_tokens"] * idx.shape[1], x.shape[1])
+        # Rows for the most a rank can receive, with the token count the ranks agreed on (the most any had
+        # when the buffers were made, however many this rank has).
+        assert handle.max_tokens >= max(p[0].shape[0] for p in per_rank)
+        assert rows.shape == (world * handle.max_tokens * idx.shape[1], x.shape[1])
         # Each token crosses once to each rank it sends copies to.
         pairs = sum(int(((p[1] // local) == rank).any(1).sum()) for p in per_rank)
         assert int(handle.staged) == pairs

@@ -105,12 +105,12 @@ def _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVAT
 
 @triton.jit
 def _glu_kernel(
-    h, da, out, data, scale,
+    h, da, out, data, scale, rows_ptr,
     M, F, SCALE_COLS,
     stride_hm, stride_hf, stride_dam, stride_daf, stride_om, stride_of, stride_qm, stride_sm,
     ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, QUANTIZE: tl.constexpr, QBLOCK: tl.constexpr,
     MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     """Forward: ``out [M, F] = act(gate) * up``. Backward: ``out [M, 2F] = [dgate | dup]``.
 
@@ -118,11 +118,17 @@ def _glu_kernel(
     ``scale [M, SCALE_COLS]`` (fp32, or E8M0 bytes when MX), one scale per QBLOCK columns of a tile
     (BLOCK_F a multiple of it; QBLOCK = BLOCK_F >= F for a rowwise row in one tile), or, QBLOCK = 0,
     one per row over F wider than a tile, the program walking its rows twice.
+
+    HAS_ROWS: only the first ``rows_ptr[0]`` rows (read on the device) are computed; the rest of the
+    outputs is not touched.
     """
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
+    if HAS_ROWS:
+        row_ok = (rows < M) & (rows < tl.load(rows_ptr))
+    else:
+        row_ok = rows < M
     h_rows = h + rows[:, None] * stride_hm
     out_rows = out + rows[:, None] * stride_om
     data_rows = data + rows[:, None] * stride_qm
@@ -183,7 +189,8 @@ def _tile_f(F: int, recipe: Recipe | None) -> tuple[int, int]:
 
 
 def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activation: str,
-            data: torch.Tensor | None = None, scale: torch.Tensor | None = None, recipe: Recipe | None = None) -> None:
+            data: torch.Tensor | None = None, scale: torch.Tensor | None = None, recipe: Recipe | None = None,
+            rows: torch.Tensor | None = None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     launch_info(h.device)  # a clear error for a CPU tensor outside the interpreter
@@ -200,29 +207,30 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activat
     data_arg = data if quantize else out  # likewise unread without a quantized copy
     scale_arg = _raw(scale) if quantize else out
     _glu_kernel[grid](
-        h, da_arg, out, data_arg, scale_arg,
+        h, da_arg, out, data_arg, scale_arg, rows if rows is not None else out,
         M, F, scale.shape[1] if quantize else 0,
         h.stride(0), h.stride(1), da_arg.stride(0), da_arg.stride(1), out.stride(0), out.stride(1),
         data_arg.stride(0), scale_arg.stride(0),
         ACTIVATION=activation, BACKWARD=backward, QUANTIZE=quantize, QBLOCK=qblock,
         MX=quantize and recipe.name == "mxfp8", POW2=quantize and recipe.pow2,
         RCEIL=quantize and recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
-        BLOCK_M=block_m, BLOCK_F=block_f,
+        HAS_ROWS=rows is not None, BLOCK_M=block_m, BLOCK_F=block_f,
         num_warps=_NUM_WARPS,
     )
 
 
-def glu_forward(h: torch.Tensor, a: torch.Tensor, activation: str) -> None:
+def glu_forward(h: torch.Tensor, a: torch.Tensor, activation: str, rows: torch.Tensor | None = None) -> None:
     """Write ``a [M, F] = act(h[:, :F]) * h[:, F:]``; arguments are already checked by the caller.
 
     h: ``[M, 2F]``, a: ``[M, F]``, any strides, on one device (CUDA, or the CPU under the
-    interpreter); bf16, fp16 or fp32. activation: ``"silu"`` or ``"gelu_tanh"``.
+    interpreter); bf16, fp16 or fp32. activation: ``"silu"`` or ``"gelu_tanh"``. rows: int ``[1]`` on
+    the device: only the first ``rows[0]`` rows are written (every function here takes it).
     """
-    _launch(h, None, a, activation)
+    _launch(h, None, a, activation, rows=rows)
 
 
 def glu_forward_quantized(h: torch.Tensor, a: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-                          activation: str, recipe: Recipe) -> None:
+                          activation: str, recipe: Recipe, rows: torch.Tensor | None = None) -> None:
     """``glu_forward``, and ``a`` quantized along F with ``recipe`` into ``data`` and ``scale``, from the
     same read of h; arguments are already checked by the caller.
 
@@ -232,13 +240,14 @@ def glu_forward_quantized(h: torch.Tensor, a: torch.Tensor, data: torch.Tensor, 
     dim=-1)``'s bits: the quantization reads a's values as written, in a's dtype. Every element of a,
     data and scale is written; nothing syncs with the host.
     """
-    _launch(h, None, a, activation, data, scale, recipe)
+    _launch(h, None, a, activation, data, scale, recipe, rows)
 
 
-def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: str) -> None:
+def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: str,
+                 rows: torch.Tensor | None = None) -> None:
     """Write ``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]``, recomputing act from h.
 
     h: ``[M, 2F]``, da: ``[M, F]`` (zero strides allowed: a broadcast gradient), dh: ``[M, 2F]``,
     any strides; arguments are already checked by the caller.
     """
-    _launch(h, da, dh, activation)
+    _launch(h, da, dh, activation, rows=rows)

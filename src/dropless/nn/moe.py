@@ -11,7 +11,7 @@ from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, sort_by_expert, unpermute
-from dropless.parallel import combine, dispatch
+from dropless.parallel import SymmetricHandle, combine, dispatch
 from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
 from dropless.quantized import QuantizedTensor, Recipe
 
@@ -37,6 +37,16 @@ class SharedExperts(nn.Module):
         """``x [T, d_model] -> [T, d_model]``."""
         # The gate/up output is read by nothing else in the backward: its memory takes the gradient.
         return self.down(ACTIVATIONS[self.activation](self.gate_up(x), grad_in_place=True))
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream on ``device``, one per process, for work that overlaps the expert exchange."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class MoE(nn.Module):
@@ -78,12 +88,14 @@ class MoE(nn.Module):
         ep_group: expert parallelism over this process group of P ranks: rank r keeps experts
             ``r*E/P .. (r+1)*E/P - 1`` (P must divide E); router and shared experts are replicated, and
             token copies travel to their experts' ranks and back (``dropless.parallel.dispatch`` and
-            ``combine``). ``expert_parallel(group)`` makes one from a full layer.
+            ``combine``). ``expert_parallel(group)`` makes one from a full layer. On GPUs the shared
+            experts run on a second stream, beside the exchange (forward and backward).
         ep_backend: how the copies travel: ``"nccl"`` (``all_to_all_single``, one host sync a layer) or
             ``"symmetric_memory"`` (no host sync: the layer can be captured in a CUDA graph; its expert
             products run on buffers sized for the most rows a rank can receive, ``P * T * top_k``).
-        ep_max_tokens: with ``"symmetric_memory"``, the most tokens a rank passes in one forward, when the
-            ranks' token counts differ (default: this forward's).
+        ep_max_tokens: with ``"symmetric_memory"``, the most tokens a rank passes in one forward, so that a
+            later forward with more tokens does not outgrow the buffers (default: the first forward's,
+            the most over the ranks).
 
     Experts' weights: ``experts_gate_up.weight [E, 2*d_ff, d_model]`` (gate rows, then up rows) and
     ``experts_down.weight [E, d_model, d_ff]`` (``E/P`` experts with an ``ep_group``).
@@ -151,6 +163,15 @@ class MoE(nn.Module):
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
         routing = self.router(tokens)
+        shared, side = None, None
+        if self.shared_experts is not None and self.ep_group is not None and tokens.is_cuda:
+            # The shared experts need no routing: on a second stream they run while the token copies
+            # travel, and their backward (on the same stream) while the gradients travel back.
+            side = _side_stream(tokens.device)
+            side.wait_stream(torch.cuda.current_stream(tokens.device))
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(tokens)
+            tokens.record_stream(side)
         if self.ep_group is None and self.experts_gate_up.recipe is not None:
             # FP8: the permute moves FP8 rows and their scales (the gate/up product quantizes the tokens
             # once and gathers them); the permuted rows are never made in x's dtype.
@@ -176,8 +197,16 @@ class MoE(nn.Module):
                                                  num_experts=self.num_experts, recipe=recipe,
                                                  backend=self.ep_backend, max_tokens=self.ep_max_tokens)
             rows, rows_fp8 = rows if recipe is not None else (rows, None)
-            y = combine(self._experts(rows, group_sizes, rows_fp8), handle)
-        if self.shared_experts is not None:
+            # The symmetric-memory backend's rows are sized for the most a rank can receive: the
+            # activation computes only the ones received.
+            received = handle.received if isinstance(handle, SymmetricHandle) else None
+            y = combine(self._experts(rows, group_sizes, rows_fp8, received=received), handle)
+        if side is not None:
+            main = torch.cuda.current_stream(tokens.device)
+            main.wait_stream(side)
+            shared.record_stream(main)
+            y = y + shared
+        elif self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         self.load_balancing_loss = routing.aux_loss
         self.z_loss = routing.z_loss
@@ -186,24 +215,26 @@ class MoE(nn.Module):
         return y.reshape(x.shape)
 
     def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor, rows_fp8: QuantizedTensor | None = None,
-                 gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                 gather: tuple[torch.Tensor, int] | None = None, received: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``;
         ``rows_fp8``: the rows already quantized for the gate/up product's forward; ``gather``: rows are
-        the tokens and the product's rows their copies by slot (``GroupedLinear``'s gather)."""
+        the tokens and the product's rows their copies by slot (``GroupedLinear``'s gather);
+        ``received``: int ``[1]``, the rows that hold copies (the others are not computed)."""
         h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8, gather=gather)
         activation = ACTIVATIONS[self.activation]
         # h is read by nothing else in the backward (the recomputation of a, where asked for, comes first,
         # in the down projection's backward): the activation's backward writes dh over it, one [R, 2 d_ff]
         # buffer less at the backward's peak.
         if self.experts_down.recipe is None:
-            a = activation(h, grad_in_place=True)
+            a = activation(h, grad_in_place=True, rows=received)
             if not self.recompute_activation:
                 return self.experts_down(a, group_sizes)
-            with recomputed(a, lambda: activation(h)):
+            with recomputed(a, lambda: activation(h, rows=received)):
                 return self.experts_down(a, group_sizes)
         # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
         # forward reads instead of quantizing the activation again.
-        a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True)
+        a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True, rows=received)
         return self.experts_down(a, group_sizes, x_quantized=a_fp8)
 
     def expert_parallel(self, group: dist.ProcessGroup | None = None, *, backend: str | None = None,

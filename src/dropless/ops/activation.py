@@ -28,20 +28,20 @@ from dropless.ops.quantize import _resolve_recipe, empty_quantized
 from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
-def _glu(h: torch.Tensor, activation: str, grad_in_place: bool) -> torch.Tensor:
+def _glu(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None) -> torch.Tensor:
     if not use_triton(h.device):
         return reference.glu(h, activation)
     a = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
-    glu_forward(h, a, activation)
+    glu_forward(h, a, activation, rows)
     return a
 
 
-def _glu_fake(h: torch.Tensor, activation: str, grad_in_place: bool) -> torch.Tensor:
+def _glu_fake(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None) -> torch.Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, recipe: str, pow2: bool,
-                   mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None, recipe: str,
+                   pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(a, data, scale)``: a as ``_glu``, and a quantized along F with the recipe named ``recipe``."""
     r = get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding)
     if not use_triton(h.device):
@@ -49,46 +49,47 @@ def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, recipe
         return a, *reference.quantize(a, r, 1)
     a = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
     data, scale = empty_quantized(a.shape, r, 1, None, h.device)
-    glu_forward_quantized(h, a, data, scale, activation, r)
+    glu_forward_quantized(h, a, data, scale, activation, r, rows)
     return a, data, scale
 
 
-def _glu_quantized_fake(h: torch.Tensor, activation: str, grad_in_place: bool, recipe: str, pow2: bool,
-                        mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_quantized_fake(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None,
+                        recipe: str, pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = h.new_empty(h.shape[0], h.shape[1] // 2)
     return a, *empty_quantized(a.shape, get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding), 1, None, h.device)
 
 
-def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> torch.Tensor:
     """``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]`` in h's dtype."""
     if not use_triton(h.device):
         return reference.glu_backward(h, da, activation)
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    glu_backward(h, da, dh, activation)
+    glu_backward(h, da, dh, activation, rows)
     return dh
 
 
-def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> torch.Tensor:
     return h.new_empty(h.shape)
 
 
-def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
+def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> None:
     """``_glu_backward`` written over h: each element pair of h is read before its gradient replaces it
     (the kernel reads a tile's gate and up columns before it writes theirs)."""
     if not use_triton(h.device):
         h.copy_(reference.glu_backward(h, da, activation))
     else:
-        glu_backward(h, da, h, activation)
+        glu_backward(h, da, h, activation, rows)
         torch.autograd.graph.increment_version(h)  # what saved h sees it changed, as after h.copy_
 
 
-def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
+def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str,
+                              rows: torch.Tensor | None) -> None:
     return None
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, activation, grad_in_place = inputs[:3]
-    ctx.save_for_backward(h)
+    h, activation, grad_in_place, rows = inputs[:4]
+    ctx.save_for_backward(h, rows)
     ctx.activation = activation
     ctx.grad_in_place = grad_in_place
     if isinstance(output, tuple):  # glu_quantized: its FP8 copy (data, scale) has no gradient
@@ -96,14 +97,14 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, da: torch.Tensor, *fp8_grads):
-    """``dh`` from ``da`` alone; every input after h (the activation, a recipe) is not a tensor. Compiled
-    graphs plan their own buffers: they take the out-of-place op."""
-    (h,) = ctx.saved_tensors
+    """``dh`` from ``da`` alone; no input after h (the activation, the row count, a recipe) has a
+    gradient. Compiled graphs plan their own buffers: they take the out-of-place op."""
+    h, rows = ctx.saved_tensors
     if ctx.grad_in_place and not torch.compiler.is_compiling():
-        _GLU_BACKWARD_INTO_H(h, da, ctx.activation)
+        _GLU_BACKWARD_INTO_H(h, da, ctx.activation, rows)
         dh = h
     else:
-        dh = _GLU_BACKWARD(h, da, ctx.activation)
+        dh = _GLU_BACKWARD(h, da, ctx.activation, rows)
     return dh, *([None] * (len(ctx.needs_input_grad) - 1))
 
 
@@ -115,24 +116,29 @@ _GLU_BACKWARD_INTO_H = DirectOp.define("glu_backward_into_h", _glu_backward_into
                                        mutates_args=("h",))
 
 
-def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_in_place: bool
-           ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_in_place: bool,
+           rows: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     check_tensor("h", h)
     quantized = recipe is not None
     check_matrix("h", h, 2, TRITON_DTYPES if use_triton(h.device) or quantized else REFERENCE_DTYPES)
     if h.shape[1] % 2:
         raise ValueError(f"h must have an even last dimension 2F (the gate and up halves, [M, 2F]), "
                          f"got shape {tuple(h.shape)}")
+    if rows is not None:
+        check_tensor("rows", rows)
+        if rows.shape != (1,) or rows.dtype not in (torch.int32, torch.int64) or rows.device != h.device:
+            raise ValueError(f"rows must be an int32/int64 tensor of shape [1] on h's device {h.device}, got "
+                             f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
     if not quantized:
-        return _GLU(h, activation, grad_in_place)
+        return _GLU(h, activation, grad_in_place, rows)
     act, _ = operand_recipes(resolve_recipe(recipe))
     act = _resolve_recipe(act, None, None)  # its options checked as dropless.quantize checks them
-    a, data, scale = _GLU_QUANTIZED(h, activation, grad_in_place, act.name, act.pow2, act.mx_rounding)
+    a, data, scale = _GLU_QUANTIZED(h, activation, grad_in_place, rows, act.name, act.pow2, act.mx_rounding)
     return a, QuantizedTensor(data, scale, act, 1)
 
 
-def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False
-           ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False,
+           rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """SwiGLU on the fused gate+up layout: ``a = silu(h[:, :F]) * h[:, F:]``.
 
     Args:
@@ -147,6 +153,10 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place
             (one buffer less at the backward's peak). Only where nothing else reads h in the backward
             (nothing else saved it, as in the MoE layer, where h is the gate/up product's output); a
             second backward through the same graph (``retain_graph``) then raises, h having changed.
+        rows: int32/int64 ``[1]`` on h's device: the rows that hold data (the first ``rows[0]``, read on
+            the device), as in an expert-parallel buffer sized for the most a rank can receive. Only
+            those are computed, forward and backward; the other rows of ``a`` (and of its FP8 copy, and
+            of ``dh``) are left unwritten (the reference backend computes them all).
     Returns:
         ``a [M, F]`` in h's dtype, computed in fp32. Differentiable in h: ``dh [M, 2F]`` in h's
         dtype, recomputed from h in the backward. With a recipe, ``(a, a_fp8)``: ``a_fp8`` is the
@@ -155,15 +165,15 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place
         (rowwise) or ``[M, cdiv(F, block)]``, fp32 or float8_e8m0fnu (mxfp8); it carries no gradient.
         No host sync.
     """
-    return _gated(h, "silu", recipe, grad_in_place)
+    return _gated(h, "silu", recipe, grad_in_place, rows)
 
 
-def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False
-          ) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False,
+          rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """GeGLU (tanh approximation) on the fused gate+up layout: ``a = gelu_tanh(h[:, :F]) * h[:, F:]``.
 
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, as
     ``torch.nn.functional.gelu(g, approximate="tanh")``. Shapes, dtypes, layouts, the FP8 copy with a
-    ``recipe``, ``grad_in_place`` and the gradient as ``swiglu``.
+    ``recipe``, ``grad_in_place``, ``rows`` and the gradient as ``swiglu``.
     """
-    return _gated(h, "gelu_tanh", recipe, grad_in_place)
+    return _gated(h, "gelu_tanh", recipe, grad_in_place, rows)

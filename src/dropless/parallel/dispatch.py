@@ -205,12 +205,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
             CPU), one host sync per dispatch. ``"symmetric_memory"``: the rows move between the ranks'
             symmetric buffers (torch symmetric memory on GPUs, shared memory between CPU processes) with
             no host sync after the first call of a size (which makes the buffers, collectively), so a
-            layer can be captured in a CUDA graph; x in fp32/bf16/fp16, and every rank holds the same T
-            (or passes the same ``max_tokens``) and rows of the same width: the buffers are sized by the
-            first call and grown collectively, so a rank that alone outgrows them waits for its peers. It returns ``P * max_tokens * k`` rows, the most a rank
-            can receive: the first ``sum(group_sizes)`` are the copies, in the order above, and the rest
-            are left unwritten (the grouped GEMMs read only the groups' rows). Bad ids and mismatched
-            rows across ranks are checked on the device with ``dropless.set_validation(True)``.
+            layer can be captured in a CUDA graph; x in fp32/bf16/fp16. The buffers are made by the
+            first call, collectively, for the most tokens any rank has then (or ``max_tokens``), and grown
+            the same way when every rank needs more: a rank that alone outgrows them waits for its
+            peers. It returns ``P * T_max * k`` rows for those ``T_max`` tokens, the most a rank can
+            receive: the first ``sum(group_sizes)`` are the copies, in the order above, and the rest are
+            left unwritten (the grouped GEMMs read only the groups' rows). Bad ids and mismatched rows
+            across ranks are checked on the device with ``dropless.set_validation(True)``.
         recipe: an FP8 recipe whose activations quantize along d (``"rowwise"``, ``"block128"``,
             ``"mxfp8"``): each token is quantized once at its rank and its copies travel as FP8 bytes and
             scales (about half the bytes of bf16), for a grouped GEMM to read without quantizing again.
@@ -221,7 +222,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         the FP8 rows as a ``QuantizedTensor`` (along d) and their dequantized values in x's dtype,
         differentiable (the gradient goes back to x as without a recipe; a weight gradient quantizes
         these values along the tokens).
-        max_tokens: with "symmetric_memory", the most tokens any rank will dispatch (default: T).
+        max_tokens: with "symmetric_memory", the most tokens a rank will dispatch in any call, so that later
+            calls with more tokens do not outgrow the buffers (default: the first call's, over all ranks).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -25,8 +25,9 @@ of 8.
 Each exchange starts with a barrier (no rank writes a peer's buffer before the peer is done reading it)
 and ends with one (no rank reads before every rank has written). Only making the workspace, at the
 first call of a size, waits for the host; after that a whole layer, forward and backward, can be
-captured in a CUDA graph. Every rank must hold the same number of tokens, or pass the same
-``max_tokens``.
+captured in a CUDA graph. The workspace is sized by the first call (the most tokens any rank has,
+or ``max_tokens``), and every rank's regions are laid out for that size; a later call with more tokens
+on one rank alone would make that rank grow it alone and wait for the others.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def _segments(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tens
     return torch.where(i < count, segment, -1).to(torch.int32), place.to(torch.int32), count
 
 
-def _sends(topk_idx: torch.Tensor, world: int, local: int, max_tokens: int):
+def _sends(topk_idx: torch.Tensor, world: int, local: int):
     """Which ranks each token sends copies to: ``[T, P]`` bool; each (token, rank)'s place among the tokens
     sent to that rank, ``[T, P]`` int64; each copy's rank (``world`` for an id outside the experts)."""
     T, k = topk_idx.shape
@@ -245,7 +246,7 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     max_tokens = max(max_tokens or 0, T)
     device = topk_idx.device
     slots, all_sizes, offsets = sort_by_expert(topk_idx, num_experts)
-    sends, place, dest = _sends(topk_idx, world, local, max_tokens)
+    sends, place, dest = _sends(topk_idx, world, local)
     words = [as_words(t) for t in published]
     row_bytes = [align(w.shape[1] * w.element_size()) for w in words]
     width = num_experts + _FACTS + world
@@ -253,6 +254,8 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     space = _space(group, device, _Layout(world, max_tokens, max_tokens * k, width, sum(row_bytes),
                                           first.shape[1] * first.element_size()))
     ws, at = space.workspace, space.at
+    # The regions are laid out for the tokens the workspace was made for, a size every rank agreed on.
+    max_tokens = space.layout.tokens
     # The facts a rank checks of the others: ids outside [0, E), the rows' dtype and width.
     # (Filled by kernels: a Python number written into a device tensor would be a copy from the host.)
     facts = torch.full((_FACTS,), first.shape[1], dtype=torch.int32, device=device)
