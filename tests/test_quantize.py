@@ -337,6 +337,22 @@ def test_dequantize_kernel_matches_reference(name, opts, M, K, dtype):
     assert torch.equal(q.dequantize(dtype).isnan(), expected.isnan())
 
 
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("n", [0, 31, 77])
+def test_dequantize_kernel_writes_only_the_rows_asked(name, opts, n):
+    """``rows=[n]``: the first n rows as without it, bit for bit, and the rest of the poisoned output
+    untouched (the rows an expert-parallel buffer holds beyond those received)."""
+    from dropless.kernels.dequantize import dequantize_rows
+
+    x = torch.randn(77, 300, device=KERNEL_DEVICE)
+    q = dropless.quantize(x, name, 1, **opts)
+    mx = q.recipe.name == "mxfp8"
+    out = poison(torch.empty(77, 300, dtype=torch.bfloat16, device=KERNEL_DEVICE))
+    rows = torch.tensor([n], device=KERNEL_DEVICE)
+    dequantize_rows(q.data, q.scale.view(torch.uint8) if mx else q.scale, q.recipe.block or 0, mx, out, rows)
+    assert torch.equal(out[:n], reference.dequantize(q).to(torch.bfloat16)[:n]) and bool(out[n:].isnan().all())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The per-group layout
 

@@ -158,13 +158,14 @@ class QuantizedTensor:
     def device(self) -> torch.device:
         return self.data.device
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``data * scale`` as a new contiguous tensor of ``dtype`` (computed in fp32), of the original
         tensor's shape (``[tokens, K]`` per group, zero past ``offsets[-1]``). One kernel pass on the
-        Triton backend for data quantized along the last dim of a 2D tensor."""
+        Triton backend for data quantized along the last dim of a 2D tensor, which writes only the first
+        ``rows[0]`` rows if ``rows`` (int ``[1]`` on the device) is given (the rest left unwritten)."""
         from dropless.ops.dequantize import dequantize
 
-        return dequantize(self, dtype)
+        return dequantize(self, dtype, rows)
 
     def blocked_scale(self) -> torch.Tensor:
         """The scales in the 128x4 swizzled layout that cuBLAS, CUTLASS and ``torch._scaled_mm`` read for

@@ -41,14 +41,18 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _dequantize_rows_kernel(
-    data, scale, out, M, K, SCALE_COLS,
-    BLOCK: tl.constexpr, MX: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    data, scale, out, rows_ptr, M, K, SCALE_COLS,
+    BLOCK: tl.constexpr, MX: tl.constexpr, EMULATE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_K`` tile of ``out``. BLOCK: elements per scale along K (0: one per row)."""
+    """One ``BLOCK_M x BLOCK_K`` tile of ``out``. BLOCK: elements per scale along K (0: one per row).
+    HAS_ROWS: only the first ``rows_ptr[0]`` rows (read on the device)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
+    if HAS_ROWS:
+        row_ok = (rows < M) & (rows < tl.load(rows_ptr))
+    else:
+        row_ok = rows < M
     mask = row_ok[:, None] & (cols < K)[None, :]
     offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
     if EMULATE:
@@ -69,10 +73,11 @@ def _dequantize_rows_kernel(
     tl.store(out + offsets, y.to(out.dtype.element_ty), mask=mask)
 
 
-def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int, mx: bool, out: torch.Tensor) -> None:
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int, mx: bool, out: torch.Tensor,
+                    rows: torch.Tensor | None = None) -> None:
     """Write ``data * scale`` into ``out`` (arguments as the module docstring lays them out, already
     checked; ``block``: elements per scale along K, 0 for one scale per row; ``mx``: E8M0 scales,
-    passed as their bytes)."""
+    passed as their bytes; ``rows``: int ``[1]`` on the device, only that many first rows written)."""
     launch_info(data.device)
     M, K = data.shape
     if M == 0 or K == 0:
@@ -80,6 +85,7 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, block: int, mx: boo
     block_k = 128 if K >= 128 else max(triton.next_power_of_2(K), 16)
     block_m = max(4096 // block_k, 1)
     _dequantize_rows_kernel[(cdiv(M, block_m), cdiv(K, block_k))](
-        data, scale, out, M, K, scale.shape[1],
-        BLOCK=block, MX=mx, EMULATE=interpreting(), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        data, scale, out, rows if rows is not None else out, M, K, scale.shape[1],
+        BLOCK=block, MX=mx, EMULATE=interpreting(), HAS_ROWS=rows is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=4,
     )

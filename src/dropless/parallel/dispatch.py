@@ -269,7 +269,8 @@ def _dispatch_symmetric(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     (data, scale), group_sizes, handle = dispatch_rows(topk_idx, topk_weights, group, num_experts, max_tokens,
                                                        [q.data, q.scale])
     rows_fp8 = QuantizedTensor(data, scale, q.recipe, 1)
-    return (SymmetricDispatch.apply(x, handle, rows_fp8.dequantize(x.dtype)), rows_fp8), group_sizes, handle
+    values = rows_fp8.dequantize(x.dtype, rows=handle.received)
+    return (SymmetricDispatch.apply(x, handle, values), rows_fp8), group_sizes, handle
 
 
 def combine(y: torch.Tensor, handle: DispatchHandle | SymmetricHandle) -> torch.Tensor:
