@@ -13,6 +13,7 @@ device), ``view`` the local region as a tensor.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import uuid
@@ -74,10 +75,7 @@ class Workspace:
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's bytes from ``offset`` as a contiguous tensor of ``shape`` and ``dtype``."""
-        count = 1
-        for s in shape:
-            count *= s
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset % _ALIGN or offset + nbytes > self.nbytes:
             raise ValueError(f"region [{offset}, {offset + nbytes}) is not an aligned part of {self.nbytes} bytes")
         return self.buffer[offset:offset + nbytes].view(dtype).view(shape)
