@@ -133,7 +133,7 @@ def test_swiglu_and_permute_direct_match_custom_ops(backend, grad_in_place):
     def layer(permute, glu, unpermute):
         x_sorted, slots, _, offsets = permute(x, topk_ids, E)
         h = torch.cat([x_sorted, x_sorted.flip(1)], dim=1)
-        return unpermute(glu(h, "silu", grad_in_place), slots, weights, offsets, T)
+        return unpermute(glu(h, "silu", grad_in_place, None), slots, weights, offsets, T)
 
     permute_ops, activation_ops = (importlib.import_module(f"dropless.ops.{name}") for name in ("permute", "activation"))
     y_direct = layer(permute_ops._PERMUTE, activation_ops._GLU, permute_ops._UNPERMUTE)

@@ -102,6 +102,8 @@ def _space(group: dist.ProcessGroup | None, device: torch.device, need: _Layout)
     group = group if group is not None else dist.group.WORLD
     key = (id(group), str(device))
     space = _SPACES.get(key)
+    if space is not None and space.workspace.group is not group:
+        space = None  # made for a group since destroyed, whose id this one has taken
     if space is not None and space.layout.covers(need):
         return space
     if space is not None:

@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 import uuid
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -33,16 +34,19 @@ class Workspace:
     """``nbytes`` bytes on each rank of ``group`` (collective: every rank makes it, with the same size)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, nbytes: int) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        group = group if group is not None else dist.group.WORLD
+        # Held weakly: a process group kept alive past destroy_process_group would be torn down at the
+        # interpreter's exit, which aborts the process.
+        self._group = weakref.ref(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
         self.device = device
         self.nbytes = nbytes
         if device.type == "cuda":
             import torch.distributed._symmetric_memory as symm_mem
 
             self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-            self._handle = symm_mem.rendezvous(self.buffer, self.group)
+            self._handle = symm_mem.rendezvous(self.buffer, group)
             addresses = list(self._handle.buffer_ptrs)
         else:
             self._handle = None
@@ -50,6 +54,11 @@ class Workspace:
         # Made once, with the workspace: the copy from the host list waits for nothing else.
         self._addresses = torch.tensor(addresses, dtype=torch.int64).to(device)
         self._peers: dict[int, torch.Tensor] = {}
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group, or None once it has been destroyed."""
+        return self._group()
 
     def _map_shared_files(self) -> list[int]:
         """Each rank's buffer as a shared-memory file, mapped by every rank; the files are removed once
