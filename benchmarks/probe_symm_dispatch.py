@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dropless.bench import ep_exchange
 from dropless.bench.routing import draw_topk
 from dropless.parallel import combine, dispatch
 
@@ -54,23 +55,9 @@ def main() -> None:
             eager_d = _time(dispatch_only)
             eager_c = _time(lambda: combine(rows, handle))
             eager = _time(both)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                both()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                both()
-            graphed = _time(graph.replay)
-            graph_d = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph_d):
-                dispatch_only()
-            graphed_d = _time(graph_d.replay)
-            graph_c = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph_c):
-                combine(rows, handle)
-            graphed_c = _time(graph_c.replay)
+            graphed = _time(ep_exchange.graphed(both))
+            graphed_d = _time(ep_exchange.graphed(dispatch_only))
+            graphed_c = _time(ep_exchange.graphed(lambda: combine(rows, handle)))
         copies = int(sizes.sum())
         mb = copies * d * 2 / 1e6
         line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); eager dispatch {eager_d:.3f} ms, "

@@ -42,6 +42,17 @@ def _move(peers, src_rank, src_row, dst_rank, dst_row, src, dst, n_rows, D: tl.c
         tl.store(base[:, None] + r[:, None] * D + cols[None, :], v, mask=m)
 
 
+def _ms_per_call(fn, n: int) -> float:
+    """Milliseconds per call of ``fn`` over ``n`` calls in a row, by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -80,13 +91,7 @@ def main() -> None:
         expect = base_vals[perm] + src_rank[:, None].to(torch.bfloat16)
         ok = torch.equal(out, expect)
         hdl.barrier(channel=0)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        for _ in range(10):
-            pull()
-        ev[1].record()
-        torch.cuda.synchronize()
-        ms = ev[0].elapsed_time(ev[1]) / 10
+        ms = _ms_per_call(pull, 10)
         results.append(("pull", bm, bd, warps, ok, ms, remote * D * 2 / ms / 1e6))
         hdl.barrier(channel=0)
     # Push: this rank's row i goes to rank i % world at row (perm[i]); every destination row is written
@@ -99,26 +104,14 @@ def main() -> None:
             _move[grid](peers, src_rank, src_row, dst_rank, dst_row, own, buf, N, D=D, BLOCK_M=bm, BLOCK_D=bd,
                         PULL=False, num_warps=warps)
         hdl.barrier(channel=0)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         push()
         hdl.barrier(channel=0)
-        ev[0].record()
-        for _ in range(10):
-            push()
-        ev[1].record()
-        torch.cuda.synchronize()
-        ms = ev[0].elapsed_time(ev[1]) / 10
+        ms = _ms_per_call(push, 10)
         results.append(("push", bm, bd, warps, True, ms, remote * D * 2 / ms / 1e6))
     hdl.barrier(channel=0)
     # Barrier cost.
     torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(100):
-        hdl.barrier(channel=0)
-    ev[1].record()
-    torch.cuda.synchronize()
-    barrier_us = ev[0].elapsed_time(ev[1]) * 10
+    barrier_us = _ms_per_call(lambda: hdl.barrier(channel=0), 100) * 1e3
     # CUDA graph: restore the buffer, then capture barrier + pull + barrier and replay.
     buf.copy_(own)
     hdl.barrier(channel=0)

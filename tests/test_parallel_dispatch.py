@@ -108,21 +108,31 @@ def _worker(rank, world, cases, backend="nccl"):
                                    **tol)
 
 
-def _bad_input_worker(rank, world, case):
+def _bad_input_worker(rank, world, case, backend="nccl"):
+    """Bad input on the last rank raises on every rank. The symmetric backend checks ids and rows across
+    ranks on the device, with validation on (every rank reads every rank's facts: on the CPU they raise
+    at once, on GPUs at the next sync); a dtype it does not move raises before any exchange."""
+    symmetric = backend == "symmetric_memory"
+    dropless.set_validation(symmetric)
     x = torch.randn(3, 4)
     idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
     last = rank == world - 1
     if case == "out_of_range" and last:
-        idx[1, 0] = 4
+        idx[1, 0] = -1 if symmetric else 4
     if case == "dtype" and last:
-        x = x.double()
+        x = x.half() if symmetric else x.double()
     if case == "width" and last:
-        x = torch.randn(3, 5)
-    E = 3 if case == "indivisible" else 4
-    match = {"indivisible": "num_experts", "out_of_range": "topk_idx", "dtype": "one dtype and width",
-             "width": "one dtype and width"}[case]
-    with pytest.raises(ValueError, match=match):
-        dispatch(x, idx, torch.rand(3, 2), num_experts=E)
+        x = torch.randn(3, 6 if symmetric else 5)
+    if case == "fp64":
+        x = x.double()
+    checked_on_device = RuntimeError if symmetric else ValueError
+    error, match = {"indivisible": (ValueError, "num_experts"), "out_of_range": (checked_on_device, "topk_idx"),
+                    "dtype": (checked_on_device, "one dtype and width"),
+                    "width": (checked_on_device, "one dtype and width"), "fp64": (ValueError, "x must be one of"),
+                    "max_tokens": (ValueError, "max_tokens")}[case]
+    with pytest.raises(error, match=match):
+        dispatch(x, idx, torch.rand(3, 2), num_experts=3 if case == "indivisible" else 4, backend=backend,
+                 max_tokens=2 if case == "max_tokens" else None)
 
 
 CASES_2 = [
@@ -176,32 +186,9 @@ def test_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case)
 
 
-def _bad_symmetric_worker(rank, world, case):
-    """The symmetric backend checks ids and rows across ranks on the device, with validation on: every
-    rank reads every rank's facts, so all raise together (on the CPU at once, on GPUs at the next sync)."""
-    dropless.set_validation(True)
-    x = torch.randn(3, 4)
-    idx = torch.tensor([[0, 1], [1, 2], [2, 3]])
-    last = rank == world - 1
-    if case == "out_of_range" and last:
-        idx[1, 0] = -1
-    if case == "dtype" and last:
-        x = x.half()
-    if case == "width" and last:
-        x = torch.randn(3, 6)
-    if case == "fp64":
-        x = x.double()
-    error, match = {"out_of_range": (RuntimeError, "topk_idx"), "dtype": (RuntimeError, "one dtype and width"),
-                    "width": (RuntimeError, "one dtype and width"), "fp64": (ValueError, "x must be one of"),
-                    "max_tokens": (ValueError, "max_tokens")}[case]
-    with pytest.raises(error, match=match):
-        dispatch(x, idx, torch.rand(3, 2), num_experts=4, backend="symmetric_memory",
-                 max_tokens=2 if case == "max_tokens" else None)
-
-
 @pytest.mark.parametrize("case", ["out_of_range", "dtype", "width", "fp64", "max_tokens"])
 def test_symmetric_memory_bad_input_raises_on_every_rank(case):
-    run_ranks(2, _bad_symmetric_worker, case)
+    run_ranks(2, _bad_input_worker, case, "symmetric_memory")
 
 
 def _fp8_worker(rank, world, recipe, backend):

@@ -199,7 +199,7 @@ def build_peer(name: str, inp: ExchangeInputs) -> ExchangeMethod:
 
 
 @dataclass
-class _Graphed:
+class Graphed:
     """A call captured in a CUDA graph; calling replays it. It holds ``fn``, whose closure holds the
     tensors the graph reads (freed, their memory would be handed to other tensors)."""
 
@@ -210,7 +210,7 @@ class _Graphed:
         self.graph.replay()
 
 
-def _graphed(fn: Callable[[], object]) -> _Graphed:
+def graphed(fn: Callable[[], object]) -> Graphed:
     """``fn`` (already run once) captured in a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -220,7 +220,7 @@ def _graphed(fn: Callable[[], object]) -> _Graphed:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _Graphed(fn, graph)
+    return Graphed(fn, graph)
 
 
 def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None, graph: bool = False) -> ExchangeMethod:
@@ -256,7 +256,7 @@ def build_dropless(backend: str, inp: ExchangeInputs, recipe: str | None = None,
     fns = {"dispatch": run_dispatch, "combine": lambda: combine(values, handle)}
     if graph:
         with torch.no_grad():
-            fns = {pass_: _graphed(fn) for pass_, fn in fns.items()}
+            fns = {pass_: graphed(fn) for pass_, fn in fns.items()}
     return ExchangeMethod(fns, row_bytes, errors)
 
 

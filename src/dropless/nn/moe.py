@@ -11,7 +11,7 @@ from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, sort_by_expert, unpermute
-from dropless.parallel import SymmetricHandle, combine, dispatch
+from dropless.parallel import combine, dispatch
 from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
 from dropless.quantized import QuantizedTensor, Recipe
 
@@ -199,8 +199,7 @@ class MoE(nn.Module):
             rows, rows_fp8 = rows if recipe is not None else (rows, None)
             # The symmetric-memory backend's rows are sized for the most a rank can receive: the
             # activation computes only the ones received.
-            received = handle.received if isinstance(handle, SymmetricHandle) else None
-            y = combine(self._experts(rows, group_sizes, rows_fp8, received=received), handle)
+            y = combine(self._experts(rows, group_sizes, rows_fp8, received=handle.received), handle)
         if side is not None:
             main = torch.cuda.current_stream(tokens.device)
             main.wait_stream(side)

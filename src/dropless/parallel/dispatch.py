@@ -61,6 +61,11 @@ class DispatchHandle:
     tokens: int
     top_k: int
 
+    @property
+    def received(self) -> None:
+        """Every row dispatch returned holds a copy (the symmetric-memory handle's count, where not)."""
+        return None
+
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """``all_to_all_single`` of ``rows`` (``sum(send)`` rows) into ``sum(recv)`` rows."""

@@ -190,21 +190,18 @@ def _receive_layout(table: torch.Tensor, rank: int, world: int, num_experts: int
     local = num_experts // world
     counts = table[:, :num_experts].long()
     mine = counts[:, rank * local:(rank + 1) * local]  # [source, local expert]
-    blocks = mine.t().reshape(-1)  # expert-major: each local expert's rows from rank 0, 1, ...
-    ends = blocks.cumsum(0)
-    starts = ends - blocks
-    i = torch.arange(rows, device=table.device)
-    block = torch.searchsorted(ends, i, right=True).clamp_(max=blocks.numel() - 1)
+    # Expert-major blocks: each local expert's rows from rank 0, 1, ...
+    block, place, received = _segments(mine.t().reshape(-1), rows)
+    block = block.long().clamp(min=0)
     expert, source = block // world, block % world
     first = counts.cumsum(1) - counts  # where each expert's copies start in each source's sorted order
-    pos = first[source, rank * local + expert] + (i - starts[block])
-    received = ends[-1:]
-    src_rank = torch.where(i < received, source, -1).to(torch.int32)
+    pos = first[source, rank * local + expert] + place
+    src_rank = torch.where(torch.arange(rows, device=table.device) < received, source, -1).to(torch.int32)
     return src_rank, pos.to(torch.int32), received, mine.sum(0).to(torch.int32)
 
 
 def _check_table(table: torch.Tensor, num_experts: int) -> None:
-    """With validation on (``dropless.set_validate``): bad ids or rows of another dtype/width on any
+    """With validation on (``dropless.set_validation``): bad ids or rows of another dtype/width on any
     rank raise at the next sync point."""
     if validation_enabled():
         facts = table[:, num_experts:]
