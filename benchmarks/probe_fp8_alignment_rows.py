@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 import dropless
 from dropless.kernels import quantize as qk, tuning
+from dropless.kernels.launch import next_power_of_2
 from dropless.kernels.ragged_k import NO_ACCUMULATE
 from dropless.ops.grouped_mm_fp8 import quantized_mm
 from dropless.quantized import get_recipe
@@ -37,10 +38,11 @@ for name, E, size, K, N in [("mixtral-up", 4, 4096, 4096, 14336), ("dsv3-down", 
 print("| tensor | BLOCK_M x warps -> GB/s (3 B/elt) |")
 for name, M, C in [("qwen3 dy", 65536, 1536), ("dsv3 dy", 32768, 7168), ("qwen3 x", 65536, 2048), ("mixtral x-down", 16384, 14336)]:
     x = torch.randn(M, C, device=DEV, dtype=torch.bfloat16); cells = []
+    original, block_k = qk._rowwise_shape, min(max(next_power_of_2(C), 16), 8192)
     for elements in (2048, 4096, 8192, 16384):
         for warps in (4, 8, 16):
-            qk._ROWWISE_ELEMENTS, qk._ROWWISE_WARPS = elements, warps
+            qk._rowwise_shape = lambda K, shape=(max(elements // block_k, 1), block_k, warps): shape
             t = ms(lambda: dropless.quantize(x, R, dim=1))
             cells.append(f"{elements}/{warps}: {3*M*C/t/1e6:.0f}")
-    qk._ROWWISE_ELEMENTS, qk._ROWWISE_WARPS = 8192, 8
+    qk._rowwise_shape = original
     print(f"| {name} | " + ", ".join(cells) + " |", flush=True)

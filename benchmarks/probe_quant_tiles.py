@@ -1,17 +1,22 @@
-"""The tile quantization kernel's shapes, pass by pass, on an H100.
+"""The quantization kernels' launch shapes, swept on one GPU: which tile, warps and column tiles a
+program walks move the most bytes.
 
-    PYTHONPATH=src python benchmarks/probe_quant_tiles.py
+    PYTHONPATH=src python benchmarks/probe_quant_tiles.py [--quick]
 
-1. Rowwise per group along the tokens (two passes over x: the amax, then the values) at the fwd+bwd's
-   tensors: the whole call, and its amax pass alone, for each tile shape (BLOCK_R is the layout's 128).
-2. 3D weights, both orientations in one call, per recipe at E = 8 and 128, for each tile shape.
 GB/s of the bytes each call must move at the least (the bf16 input read once, each FP8 copy written),
-next to a device copy's (bytes read + written).
+next to a device copy's (bytes read + written), for:
+1. activations per group along the tokens (block128, mxfp8, rowwise: its two launches), and both
+   orientations from one launch (``quantize_pair``), for each ``(BLOCK_R, BLOCK_C, warps)``;
+2. 3D weights, both orientations in one call, at E = 8 and 128, for each tile shape (block128x128:
+   each ``(CHUNK_R, warps)`` of its own kernel);
+3. activations along K: the tile kernel's shapes (blockwise) and the rowwise kernel's ``(BLOCK_M, BLOCK_K,
+   warps)``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
 
@@ -21,76 +26,89 @@ from triton.testing import do_bench
 import dropless
 from dropless.bench.routing import group_sizes
 from dropless.kernels import quantize as qk
-from dropless.kernels.launch import cdiv, next_power_of_2
-from dropless.quantized import get_recipe, grouped_rows
+from dropless.kernels.launch import next_power_of_2
+from dropless.ops.quantize import quantize_pair
 
 DEV = torch.device("cuda")
-ROWWISE = get_recipe("rowwise")
+QUICK = "--quick" in sys.argv
 
 
 def ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=60, return_mode="median")
+    return do_bench(fn, warmup=10, rep=30, return_mode="median")
 
 
-def amax_pass(x: torch.Tensor, offsets: torch.Tensor, shape: tuple[int, int, int]) -> None:
-    """The first of the rowwise per-group launches alone, as ``quantize._launch_tiles`` makes it."""
-    R, C = x.shape
-    E = offsets.shape[0]
-    block_r, block_c, warps = shape
-    slots = cdiv(R, block_r) + E
-    amax = torch.zeros(E, C, dtype=torch.int32, device=x.device)
-    qk._tile_kernel[(slots, cdiv(C, block_c))](
-        x, x, x, x, x, amax, x, offsets, R, C, E, slots, 0, grouped_rows(R, E), 0, x.stride(0), x.stride(1),
-        ALONG_R=True, ALONG_C=False, GROUPED=True, AMAX_PASS=True, BLOCK=0, TILE=False, MX=False, POW2=False,
-        RCEIL=False, EMULATE_FP8=False, WIDE=False, BLOCK_R=block_r, BLOCK_C=block_c,
-        E_POW2=next_power_of_2(E + 1), num_warps=warps)
-
-
-def with_shape(shape, fn):
-    original = qk._tile_shape
-    qk._tile_shape = lambda *args: shape
+def swept(attribute: str, value, fn) -> float:
+    """``fn``'s time with ``qk.<attribute>`` answering ``value`` (a launch shape), or NaN where the
+    compiler refuses the shape."""
+    original = getattr(qk, attribute)
+    setattr(qk, attribute, lambda *args: value)
     try:
         return ms(fn)
-    except Exception as error:  # a shape the compiler refuses
-        print(f"  {shape}: {type(error).__name__}")
+    except Exception as error:
+        print(f"  {value}: {type(error).__name__}: {str(error)[:80]}", flush=True)
         return float("nan")
     finally:
-        qk._tile_shape = original
+        setattr(qk, attribute, original)
+
+
+def row(label: str, least_bytes: int, attribute: str, shapes, fn, copy_gbps: float) -> None:
+    rates = [least_bytes / swept(attribute, shape, fn) / 1e6 for shape in shapes]
+    best = max(range(len(shapes)), key=lambda i: rates[i] if rates[i] == rates[i] else -1)
+    cells = " ".join(f"{r:6.0f}" for r in rates)
+    print(f"{label:34s} {cells}   best {shapes[best]} {rates[best]:.0f} GB/s = {rates[best] / copy_gbps:.2f} of copy",
+          flush=True)
 
 
 def main() -> None:
     src = torch.empty(2**30, dtype=torch.int16, device=DEV)
     dst = torch.empty_like(src)
-    print(f"copy: {4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6:.0f} GB/s")
+    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
     del src, dst
-    token_shapes = [(128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
-    print("| tensor | " + " | ".join(f"{a}x{b}/w{w} call, amax" for a, b, w in token_shapes) + " |")
-    for name, E, M, C in [("dsv3 x", 32, 32768, 2048), ("dsv3 dy", 32, 32768, 7168), ("qwen3 x", 128, 65536, 2048),
-                          ("qwen3 dy", 128, 65536, 1536), ("mixtral dy", 4, 16384, 14336)]:
+
+    group_shapes = [(128, 64, 4), (128, 32, 4), (128, 64, 8), (128, 128, 8)]
+    tensors = [("qwen3 x", 128, 65536, 2048), ("qwen3-down x", 128, 65536, 768), ("dsv3 dy", 32, 32768, 7168),
+               ("mixtral dy", 4, 16384, 14336)]
+    if QUICK:
+        tensors = tensors[:2]
+    print("\n1. per group along the tokens; shapes " + " ".join(map(str, group_shapes)))
+    for name, E, M, C in tensors:
         offsets = torch.tensor(group_sizes(E, M, "skewed", 0, 16), device=DEV).cumsum(0).to(torch.int32)
         x = torch.randn(M, C, device=DEV, dtype=torch.bfloat16)
-        once, read = 3 * M * C, 2 * M * C
-        cells = []
-        for shape in token_shapes:
-            call = with_shape(shape, lambda: dropless.quantize(x, ROWWISE, dim=0, offsets=offsets))
-            alone = ms(lambda: amax_pass(x, offsets, shape))
-            cells.append(f"{once / call / 1e6:.0f}, {read / alone / 1e6:.0f}")
-        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-    weight_shapes = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (128, 128, 16), (32, 128, 4)]
-    print("| weights | " + " | ".join(f"{a}x{b}/w{w}" for a, b, w in weight_shapes) + " |")
-    for recipe in ("rowwise", "block128x128", "mxfp8"):
-        for E in (8, 128):
-            w = torch.randn(E, 1536, 2048, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-            moved = 4 * w.numel()
-            cells = []
-            for shape in weight_shapes:
-                if recipe == "block128x128" and shape[:2] != (128, 128):
-                    cells.append("-")
-                    continue
-                t = with_shape(shape, lambda: dropless.quantize_weight(w, recipe))
-                cells.append(f"{moved / t / 1e6:.0f}")
-            print(f"| {recipe} E={E} | " + " | ".join(cells) + " |", flush=True)
-            del w
+        for recipe in ("block128", "mxfp8", "rowwise"):
+            row(f"{name} {recipe}", 3 * M * C, "_tile_shape", group_shapes,
+                lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets), copy)
+        for recipe in ("block128", "mxfp8", "rowwise"):
+            shapes = [s for s in group_shapes if s[1] == 128 or recipe != "block128"] + [(128, 128, 16)]
+            row(f"{name} pair {recipe}", 4 * M * C, "_tile_shape", shapes,
+                lambda: quantize_pair(x, recipe, offsets), copy)
+        del x
+
+    weight_shapes = [(64, 128, 4), (32, 128, 4), (64, 64, 4), (32, 64, 4), (64, 128, 8)]
+    tile128_shapes = [(32, 4), (16, 4), (64, 4), (32, 8), (64, 8), (128, 16)]
+    print("\n2. weights, both orientations; shapes " + " ".join(map(str, weight_shapes)) +
+          "; block128x128 " + " ".join(map(str, tile128_shapes)))
+    for E in (8, 128):
+        w = torch.randn(E, 1536, 2048, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+        for recipe in ("mxfp8", "rowwise"):
+            row(f"E={E} {recipe}", 4 * w.numel(), "_tile_shape", weight_shapes,
+                lambda: dropless.quantize_weight(w, recipe), copy)
+        row(f"E={E} block128x128", 4 * w.numel(), "_tile128_shape", tile128_shapes,
+            lambda: dropless.quantize_weight(w, "block128x128"), copy)
+        del w
+
+    along_k_shapes = [(64, 128, 8), (64, 128, 4), (32, 128, 4), (32, 256, 8), (16, 512, 8)]
+    print("\n3. along K; tile shapes " + " ".join(map(str, along_k_shapes)))
+    for name, M, K in [("qwen3-down x", 65536, 768), ("gptoss x", 32768, 2880), ("qwen3 x", 65536, 2048),
+                       ("dsv3 dy", 32768, 7168)]:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        for recipe in ("block128", "mxfp8"):
+            row(f"{name} {recipe}", 3 * M * K, "_tile_shape", along_k_shapes,
+                lambda: dropless.quantize(x, recipe, dim=1), copy)
+        shapes = [(max(2048 // b, 1), b, 4) for b in (min(next_power_of_2(K), 8192), 1024, 256)] + \
+            [(max(8192 // b, 1), b, 8) for b in (min(next_power_of_2(K), 8192), 1024, 256)]
+        row(f"{name} rowwise", 3 * M * K, "_rowwise_shape", shapes, lambda: dropless.quantize(x, "rowwise", dim=1), copy)
+        del x
 
 
 if __name__ == "__main__":

@@ -71,32 +71,28 @@ def test_grouped_linear_with_x_quantized_gives_the_same_bits(device, recipe, dty
     y2.backward(dy)
     assert_same_bits(x2.grad, x1.grad, "dx")
     assert_same_bits(given.weight.grad, plain.weight.grad, "dw")
-    assert_same_bits(given.bias.grad, plain.bias.grad, "dbias")
+    # The bias gradient sums each group's rows with index_add_, in whatever order a GPU's atomics take.
+    torch.testing.assert_close(given.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_linear_skips_quantizing_x_along_k(device, monkeypatch):
     """With x_quantized the forward quantizes x only along the tokens (for the weight gradient); without,
-    one ``quantize_pair`` gives both orientations."""
+    along K for its product and then along the tokens."""
     calls = []
-    original, original_pair = grouped_mm_fp8.quantize, grouped_mm_fp8.quantize_pair
+    original = grouped_mm_fp8.quantize
 
     def recording(x, recipe, dim=-1, offsets=None, **kwargs):
         calls.append((dim, offsets is None))
         return original(x, recipe, dim, offsets, **kwargs)
 
-    def recording_pair(x, recipe, offsets, **kwargs):
-        calls.append("pair")
-        return original_pair(x, recipe, offsets, **kwargs)
-
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
-    monkeypatch.setattr(grouped_mm_fp8, "quantize_pair", recording_pair)
     layer = dropless.GroupedLinear(2, D_FF, 32, recipe="block128", device=device)
     x = torch.randn(40, D_FF, device=device)
     layer(x, [10, 30], x_quantized=dropless.quantize(x, layer.recipe, dim=-1))
     assert calls == [(0, False)]
     calls.clear()
     layer(x, [10, 30])
-    assert calls == ["pair"]
+    assert calls == [(1, True), (0, False)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -212,19 +208,14 @@ def test_moe_fused_activation_gives_the_unfused_bits(device, recipe, config, mon
     dy = torch.randn_like(x)
 
     along_k = []
-    original, original_pair = grouped_mm_fp8.quantize, grouped_mm_fp8.quantize_pair
+    original = grouped_mm_fp8.quantize
 
     def recording(t, recipe, dim=-1, offsets=None, **kwargs):
         if dim == 1:
             along_k.append(t.shape[1])
         return original(t, recipe, dim, offsets, **kwargs)
 
-    def recording_pair(t, recipe, offsets, **kwargs):
-        along_k.append(t.shape[1])
-        return original_pair(t, recipe, offsets, **kwargs)
-
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
-    monkeypatch.setattr(grouped_mm_fp8, "quantize_pair", recording_pair)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y1 = fused(x1)
     assert along_k == [D_MODEL], "the down projection quantized the activation again"

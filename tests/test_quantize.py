@@ -34,8 +34,6 @@ RECIPES = [
 GROUP_RECIPES = [r for r in RECIPES if r[0] != "block128x128"]
 RECIPE_IDS = [name + "".join(f"-{v}" for v in opts.values()) for name, opts in RECIPES]
 GROUP_RECIPE_IDS = [i for i in RECIPE_IDS if not i.startswith("block128x128")]
-BLOCK_RECIPES = [r for r in GROUP_RECIPES if r[0] != "rowwise"]
-BLOCK_RECIPE_IDS = [i for i in GROUP_RECIPE_IDS if not i.startswith("rowwise")]
 E4M3_STEP = 2.0**-4  # e4m3 keeps 3 mantissa bits: a rounding error of at most half of 2**-3, relative
 
 
@@ -95,11 +93,15 @@ def test_2d_matches_reference(backend, name, opts, dim, shape, dtype):
 
 
 def test_rowwise_rows_longer_than_a_step(triton_backend, monkeypatch):
-    """Rows longer than the rowwise kernel's step are walked in several chunks, twice."""
-    monkeypatch.setattr(quantize_kernels, "_MAX_ROWWISE_BLOCK_K", 32)
+    """Rows longer than the rowwise kernel's step are walked in several chunks, twice: rows of 150 in
+    steps of 64 (the default for a length that is not a power of two), then of 32 over 4 rows a program."""
     x = planted((40, 150), torch.float32, triton_backend)
-    for opts in ({}, {"pow2": True}):
-        assert_same(dropless.quantize(x, "rowwise", 1, **opts), *reference_q(x, "rowwise", opts, 1))
+    assert quantize_kernels._rowwise_shape(150)[1] == 64
+    for shape in (None, (4, 32, 4)):
+        if shape is not None:
+            monkeypatch.setattr(quantize_kernels, "_rowwise_shape", lambda K: shape)
+        for opts in ({}, {"pow2": True}):
+            assert_same(dropless.quantize(x, "rowwise", 1, **opts), *reference_q(x, "rowwise", opts, 1))
 
 
 def test_2d_any_strides(triton_backend):
@@ -339,7 +341,7 @@ def test_dequantize_kernel_matches_reference(name, opts, M, K, dtype):
 
 @pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("n", [0, 31, 77])
-def test_dequantize_kernel_writes_only_the_rows_asked(name, opts, n):
+def test_dequantize_kernel_writes_only_the_rows_asked(name, opts, n, triton_backend):
     """``rows=[n]``: the first n rows as without it, bit for bit, and the rest of the poisoned output
     untouched (the rows an expert-parallel buffer holds beyond those received)."""
     from dropless.kernels.dequantize import dequantize_rows
@@ -350,7 +352,9 @@ def test_dequantize_kernel_writes_only_the_rows_asked(name, opts, n):
     out = poison(torch.empty(77, 300, dtype=torch.bfloat16, device=KERNEL_DEVICE))
     rows = torch.tensor([n], device=KERNEL_DEVICE)
     dequantize_rows(q.data, q.scale.view(torch.uint8) if mx else q.scale, q.recipe.block or 0, mx, out, rows)
-    assert torch.equal(out[:n], reference.dequantize(q).to(torch.bfloat16)[:n]) and bool(out[n:].isnan().all())
+    expected = reference.dequantize(q).to(torch.bfloat16)[:n]
+    assert torch.equal(out[:n], expected) and bool(out[n:].isnan().all())
+    assert torch.equal(q.dequantize(torch.bfloat16, rows=rows)[:n], expected)  # through the op
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -527,6 +531,26 @@ def test_weight_kernel_writes_every_element(name, opts, E, K, N):
                 *reference.quantize(w.cpu(), recipe, 2))
 
 
+@pytest.mark.parametrize("chunk_r, warps", [(16, 4), (32, 8), (128, 4)])
+def test_tile128_chunks(chunk_r, warps, monkeypatch):
+    """The 128x128 kernel walks each tile in chunks of rows, twice: every chunk size gives the
+    reference's bytes, for a weight over several tiles with partial ones at both edges and a 2D x along
+    either dim."""
+    recipe = get_recipe("block128x128")
+    monkeypatch.setattr(quantize_kernels, "_tile128_shape", lambda: (chunk_r, warps))
+    x = planted((213, 290), torch.float32, KERNEL_DEVICE)
+    for dim in (0, 1):
+        data, scale = empty_quantized(x.shape, recipe, dim, None, KERNEL_DEVICE)
+        quantize_along(x, poison(data), poison(scale), recipe, dim)
+        assert_same(QuantizedTensor(data, scale, recipe, dim), *reference.quantize(x.cpu(), recipe, dim), f"dim {dim}")
+    w = make_w(2, 150, 290, torch.float32, KERNEL_DEVICE)
+    data_k, scale_k = (poison(t) for t in empty_quantized(w.shape, recipe, 1, None, KERNEL_DEVICE))
+    data_n, _ = (poison(t) for t in empty_quantized(w.shape, recipe, 2, None, KERNEL_DEVICE))
+    quantize_weight_3d(w, data_k, data_n, scale_k, scale_k, recipe)
+    assert_same(QuantizedTensor(data_k, scale_k, recipe, 1), *reference.quantize(w.cpu(), recipe, 1), "weight K")
+    assert_same(QuantizedTensor(data_n, scale_k, recipe, 2), *reference.quantize(w.cpu(), recipe, 2), "weight N")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Both orientations of an activation from one launch
 
@@ -559,10 +583,11 @@ def test_pair_matches_two_calls(backend, name, opts, sizes, M, K, dtype):
     check_quantized("along_m", along_m, ndim=2, dim=0)
 
 
-@pytest.mark.parametrize("name, opts", BLOCK_RECIPES, ids=BLOCK_RECIPE_IDS)
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("sizes, M", [([0, 30, 0, 25], 77), ([130], 130), ([0, 0], 0), ([0], 50)])
 def test_pair_kernel_writes_every_element(name, opts, sizes, M, monkeypatch):
-    """One launch of the tile kernel fills all four outputs, poisoned beforehand."""
+    """One launch of the tile kernel (rowwise: two, the amaxes first) fills all four outputs, poisoned
+    beforehand."""
     recipe = get_recipe(name, **opts)
     x = planted((M, 40), torch.float32, KERNEL_DEVICE) if M else torch.empty(0, 40, device=KERNEL_DEVICE)
     offsets = offsets_of(sizes, KERNEL_DEVICE)
@@ -572,7 +597,7 @@ def test_pair_kernel_writes_every_element(name, opts, sizes, M, monkeypatch):
     kernel = quantize_kernels._tile_kernel
     monkeypatch.setattr(quantize_kernels, "_tile_kernel", _Counted(kernel, launches))
     quantize_both(x, data_k, scale_k, data_m, scale_m, recipe, offsets)
-    assert len(launches) == 1
+    assert len(launches) == (2 if recipe.block is None else 1)
     assert_same(QuantizedTensor(data_k, scale_k, recipe, 1), *reference.quantize(x.cpu(), recipe, 1), "along K")
     assert_same(QuantizedTensor(data_m, scale_m, recipe, 0), *reference.quantize(x.cpu(), recipe, 0, offsets.cpu()),
                 "along the tokens")

@@ -13,7 +13,7 @@ division is correctly rounded (``div_rn``; mxfp8 multiplies by the exact power o
 the kernels match ``dropless.reference.quantize`` bit for bit. The layouts of data and scales are
 ``dropless.quantized``'s.
 
-Two kernels over a 3D view ``x [BATCH, R, C]`` (a 2D operand is ``[1, M, K]``, a weight ``[E, K, N]``),
+Three kernels over a 3D view ``x [BATCH, R, C]`` (a 2D operand is ``[1, M, K]``, a weight ``[E, K, N]``),
 any strides. Each program addresses its tile from 64-bit scalar bases with 32-bit offsets inside it
 (64-bit only when a stride or extent makes them reach 2**31), which keeps registers per element few:
 - ``_tile_kernel``: one program per ``BLOCK_R x BLOCK_C`` tile, reading each element once. It
@@ -34,9 +34,11 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   the tail, whose slots also write the scale rows up to ``cdiv(Mp - A E, block) + E``). Rowwise scales span the whole R or C extent: a first launch
   (``AMAX_PASS``) takes each tile's partial amax into int32 buffers with ``atomic_max`` on the bits of
   the (non-negative) magnitudes, and a second launch quantizes, reading x again.
+- ``_tile128_kernel``: block128x128, one program per 128x128 tile, which it walks twice in chunks of
+  rows (the amax, then the values, the second read from L2), so that it holds a chunk at a time.
 - ``_rowwise_kernel``: rowwise along the last dim of a 2D x; each program owns ``BLOCK_M`` rows, held in
-  registers when they are at most 8192 long; longer ones it walks twice, once for the amax and once to
-  write (the second read from L2).
+  registers when they are a power of two up to 8192 long; others it walks twice in steps, once for the
+  amax and once to write (the second read from L1 or L2).
 
 The interpreter's own float-to-fp8 cast rounds ties away from zero and mishandles mantissa carries, so
 under ``TRITON_INTERPRET=1`` the kernels round to e4m3 with integer operations (``EMULATE_FP8``); on
@@ -144,14 +146,14 @@ def _tile_kernel(
     R, C, E, SLOTS, SCALE_ROWS_R, DATA_ROWS_R,
     stride_xb, stride_xr, stride_xc,
     ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
+    BLOCK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
     EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_POW2: tl.constexpr,
 ):
     """Quantize one tile of ``x [BATCH, R, C]`` along R and/or C.
 
     BLOCK: elements per scale (0: rowwise, scales from ``amax_r [G, C]`` / ``amax_c [BATCH, R]``, G the
-    groups or BATCH). TILE: one scale per 128x128 tile (BLOCK_R = BLOCK_C = 128), in ``scale_r``.
+    groups or BATCH).
     data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise);
     data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
@@ -223,16 +225,6 @@ def _tile_kernel(
         if ALONG_C:
             row_amax = tl.max(magnitude, axis=1).to(tl.int32, bitcast=True)
             tl.atomic_max(amax_c + batch64 * R + row64 + r, row_amax, mask=row_ok)
-    elif TILE:
-        amax = tl.max(tl.max(_magnitude(v), axis=1), axis=0)
-        scale = _scale(amax, MX, POW2, False)
-        q = _to_fp8(v, scale, MX, EMULATE_FP8)
-        tl.store(scale_r + (batch64 * SCALE_ROWS_R + slot) * tl.cdiv(C, 128) + tl.program_id(1), scale,
-                 mask=(slot < SCALE_ROWS_R) & (tl.program_id(1) < tl.cdiv(C, 128)))
-        if ALONG_R:
-            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
-        if ALONG_C:
-            tl.store(data_c_tile + r[:, None] * C + c[None, :], q, mask=mask)
     else:
         if ALONG_R:
             v_r = v
@@ -288,6 +280,51 @@ def _tile_kernel(
 
 
 @triton.jit
+def _tile128_kernel(
+    x, data_r, data_c, scale, R, C, stride_xb, stride_xr, stride_xc,
+    ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, POW2: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    WIDE: tl.constexpr, CHUNK_R: tl.constexpr,
+):
+    """One scale per 128x128 tile of ``x [BATCH, R, C]`` (block128x128): ``scale [BATCH, cdiv(R, 128),
+    cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``) and/or along C into ``data_c``
+    (``[BATCH, R, C]``). A program walks its tile twice in ``CHUNK_R x 128`` chunks, the amax first and
+    then the values (the second read from L2), so it holds a chunk at a time and several programs share
+    a multiprocessor."""
+    tiles_r = tl.cdiv(R, 128)
+    batch = tl.program_id(0) // tiles_r
+    tile_r = tl.program_id(0) - batch * tiles_r
+    row0 = tile_r * 128
+    col0 = tl.program_id(1) * 128
+    r = tl.arange(0, CHUNK_R)
+    c = tl.arange(0, 128)
+    if WIDE:
+        r = r.to(tl.int64)
+        c = c.to(tl.int64)
+    col_ok = c < C - col0
+    batch64 = batch.to(tl.int64)
+    x_tile = x + batch64 * stride_xb + row0.to(tl.int64) * stride_xr + col0.to(tl.int64) * stride_xc
+    amax = tl.zeros((CHUNK_R, 128), dtype=tl.float32)
+    for r0 in tl.static_range(0, 128, CHUNK_R):
+        mask = (r < R - row0 - r0)[:, None] & col_ok[None, :]
+        v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+        amax = tl.maximum(amax, _magnitude(v.to(tl.float32)))
+    s = _scale(tl.max(tl.max(amax, axis=1), axis=0), False, POW2, False)
+    tl.store(scale + (batch64 * tiles_r + tile_r) * tl.cdiv(C, 128) + tl.program_id(1), s,
+             mask=(row0 < R) & (col0 < C))
+    for r0 in tl.static_range(0, 128, CHUNK_R):
+        row_ok = r < R - row0 - r0
+        mask = row_ok[:, None] & col_ok[None, :]
+        v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
+        q = _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8)
+        if ALONG_C:
+            data_c_rows = data_c + (batch64 * R + row0 + r0) * C + col0
+            tl.store(data_c_rows + r[:, None] * C + c[None, :], q, mask=mask)
+        if ALONG_R:
+            data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], tl.trans(q), mask=col_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
 def _rowwise_kernel(
     x, data, scale, M, K, stride_xm, stride_xk,
     POW2: tl.constexpr, EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -323,30 +360,60 @@ def _rowwise_kernel(
     tl.store(scale + row0 + r, s, mask=row_ok)
 
 
-# The rowwise kernel's program: 2048 elements (several rows of up to 2048, or one longer row) over 4
-# warps, 16 a thread. On an H100 (benchmarks/NOTES.md, v13) 8192 over 8 warps ran rows of 1536 (padded
-# to 2048) at half the bandwidth, and no shape measured ran faster than with this one by over 6%.
-_ROWWISE_ELEMENTS = 2048
-_MAX_ROWWISE_BLOCK_K = 8192
-_ROWWISE_WARPS = 4
+def _rowwise_shape(K: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_K, num_warps)`` of ``_rowwise_kernel`` for rows of K. Rows of a power of two up
+    to 8192 (or longer than 4096) are read once in 2048-element programs over 4 warps (v13: no shape ran
+    over 6% faster). Other rows padded to a power of two ran at 0.42 (K = 768) and 0.54 (K = 2880) of a
+    copy on an H100; walked twice in steps of at most half a row they ran at 0.73 and 0.71 (v23): steps of
+    the largest power of two up to K / 2 (at most 1024), 8192-element programs over 8 warps for steps of
+    up to 512."""
+    if K & (K - 1) == 0 or K > 4096:
+        block_k = min(max(next_power_of_2(K), 16), 8192)
+        return max(2048 // block_k, 1), block_k, 4
+    block_k = min(max(1 << ((K // 2).bit_length() - 1), 16), 1024)
+    if block_k <= 512:
+        return 8192 // block_k, block_k, 8
+    return 2048 // block_k, block_k, 4
 
 
 def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> tuple[int, int, int]:
-    """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen
-    by measurement on an H100 (benchmarks/results/probes). fp32-scaled recipes along one dim run 8 warps
-    (32 elements a thread); mxfp8, the per-group tiles and a weight's two orientations run 4, which keeps
-    their block and group reductions inside fewer warps (8 warps lost up to 40% there). Both orientations of block128's 1x128
-    blocks need 128x128 tiles, on 8 warps (not measured)."""
-    if recipe.tile:
-        return 128, 128, 16
+    """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen by
+    measurement on an H100 (benchmarks/NOTES.md, v13 and v23). fp32-scaled recipes along one dim run 8
+    warps (32 elements a thread); mxfp8, the per-group tiles and a weight's two orientations run 4, which
+    keeps their block and group reductions inside fewer warps (8 warps lost up to 40% there). Both
+    orientations of block128's 1x128 blocks need 128x128 tiles, on 8 warps."""
     if along_r and along_c:
         if recipe.block == 128:
             return 128, 128, 8
-        # Tiles numbered per group are GROUP_ALIGN (128) rows (see the module docstring). A weight's two
-        # orientations: 64x128 ran mxfp8 at 1.2-1.6x 64x64 and rowwise alike (NOTES v13).
-        return (128, 64, 4) if grouped else (64, 128, 4)
+        if grouped:
+            return 128, 64, 4  # tiles numbered per group are GROUP_ALIGN (128) rows (the module docstring)
+        # A weight's two orientations: mxfp8 ran 64x128 at 1.2-1.6x 64x64 (E = 128); rowwise 32x128 at
+        # 1.05x 64x128 (v23).
+        return (32, 128, 4) if recipe.block is None else (64, 128, 4)
     warps = 4 if grouped or recipe.name == "mxfp8" else 8
     return (128, 64, warps) if along_r else (64, 128, warps)
+
+
+def _tile128_shape() -> tuple[int, int]:
+    """``(CHUNK_R, num_warps)`` of ``_tile128_kernel``: 32x128 chunks over 8 warps, 16 elements a thread,
+    the best of six shapes on an H100 (v23: 1.4x the one-pass 128x128 program of 16 warps)."""
+    return 32, 8
+
+
+def _launch_tile128(x: torch.Tensor, scale: torch.Tensor, data_r: torch.Tensor | None,
+                    data_c: torch.Tensor | None, recipe: Recipe) -> None:
+    """Run ``_tile128_kernel`` over ``x [BATCH, R, C]`` (block128x128): along R into ``data_r`` (storage
+    ``[BATCH, C, R]``) and/or along C into ``data_c`` (``[BATCH, R, C]``), one scale per tile into ``scale``."""
+    BATCH, R, C = x.shape
+    if x.numel() == 0:
+        return
+    chunk_r, num_warps = _tile128_shape()
+    _tile128_kernel[(BATCH * cdiv(R, 128), cdiv(C, 128))](
+        x, x if data_r is None else data_r, x if data_c is None else data_c, scale, R, C,
+        x.stride(0), x.stride(1), x.stride(2),
+        ALONG_R=data_r is not None, ALONG_C=data_c is not None, POW2=recipe.pow2, EMULATE_FP8=interpreting(),
+        WIDE=_wide(*(256 * n for n in (*x.shape, *x.stride()))), CHUNK_R=chunk_r, num_warps=num_warps,
+    )
 
 
 def _wide(*largest_offsets: int) -> bool:
@@ -364,10 +431,13 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
                   scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None) -> None:
     """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
-    ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe writes its
-    one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
+    ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe
+    (``_tile128_kernel``) writes its one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
     amax buffers it allocates. ``rows`` (int ``[R']``): the operand is ``x[:, rows]``, read by index
     (R' rows; along R per group only)."""
+    if recipe.tile:
+        _launch_tile128(x, scale_r, data_r, data_c, recipe)
+        return
     BATCH, R, C = x.shape
     if rows is not None:
         R = rows.shape[0]
@@ -393,7 +463,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
             ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
-            BLOCK=recipe.block or 0, TILE=recipe.tile, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
+            BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
             WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r, R))),
             GATHER=rows is not None,
@@ -429,25 +499,25 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
         _launch_tiles(x3, recipe, data_c=data, **{"scale_r" if recipe.tile else "scale_c": scale})
     elif x.shape[0] > 0:
         M, K = x.shape
-        block_k = min(max(next_power_of_2(K), 16), _MAX_ROWWISE_BLOCK_K)
-        block_m = max(_ROWWISE_ELEMENTS // block_k, 1)
+        block_m, block_k, num_warps = _rowwise_shape(K)
         _rowwise_kernel[(cdiv(M, block_m),)](
             x, data, scale, M, K, x.stride(0), x.stride(1),
             POW2=recipe.pow2, EMULATE_FP8=interpreting(),
             WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K), BLOCK_M=block_m, BLOCK_K=block_k,
-            num_warps=_ROWWISE_WARPS,
+            num_warps=num_warps,
         )
 
 
 def quantize_both(x: torch.Tensor, data_k: torch.Tensor, scale_k: torch.Tensor, data_m: torch.Tensor,
                   scale_m: torch.Tensor, recipe: Recipe, offsets: torch.Tensor) -> None:
-    """Write ``x [M, K]`` quantized along K (every row) and along M per group, reading x once; arguments are
-    already checked by the caller.
+    """Write ``x [M, K]`` quantized along K (every row) and along M per group, reading x once (rowwise:
+    twice); arguments are already checked by the caller.
 
     One launch of ``_tile_kernel``, its tiles numbered per group (``quantize_along``'s dim 0 with offsets),
-    whose tail slots also write the rows past ``offsets[-1]`` along K. recipe: block128 or mxfp8 (1 x
-    block blocks). x: bf16, fp16 or fp32, any strides. data_k / scale_k: as ``quantize_along``'s dim 1
-    (data row-major ``[M, K]``, scale ``[M, cdiv(K, block)]``); data_m / scale_m: as its dim 0 with
+    whose tail slots also write the rows past ``offsets[-1]`` along K; rowwise runs two, the amaxes of
+    both orientations first. recipe: rowwise, block128 or mxfp8 (not block128x128). x: bf16, fp16 or fp32,
+    any strides. data_k / scale_k: as ``quantize_along``'s dim 1
+    (data row-major ``[M, K]``, scale ``[M, cdiv(K, block)]``, rowwise ``[M, 1]``); data_m / scale_m: as its dim 0 with
     ``offsets`` (data ``[Mp, K]``, a view of ``[K, Mp]`` storage, scale ``[cdiv(Mp - 128 E, block) + E, K]``).
     offsets: int32/int64 ``[E]``, read on the device. Every element of the four outputs is written.
     """

@@ -33,8 +33,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype, rows: torch.Tensor | None
     """``q.data * q.scale`` as a new contiguous tensor of ``dtype``, computed in fp32 and rounded once:
     bit for bit ``dropless.reference.dequantize(q).to(dtype)``. ``rows`` (int ``[1]`` on the device): the
     one-pass kernel writes only that many first rows, the rest left unwritten (elsewhere all are)."""
-    rows = (q.data.dim() == 2 and q.dim == 1 and q.offsets is None and not q.recipe.tile
-            and q.data.is_contiguous() and q.scale.is_contiguous() and dtype in TRITON_DTYPES)
-    if rows and use_triton(q.data.device):
+    one_pass = (q.data.dim() == 2 and q.dim == 1 and q.offsets is None and not q.recipe.tile
+                and q.data.is_contiguous() and q.scale.is_contiguous() and dtype in TRITON_DTYPES)
+    if one_pass and use_triton(q.data.device):
         return _DEQUANTIZE_ROWS(q.data, q.scale, q.recipe.block or 0, q.recipe.name == "mxfp8", dtype, rows)
     return reference.dequantize(q).to(dtype)

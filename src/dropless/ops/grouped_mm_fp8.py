@@ -12,8 +12,8 @@ scale, recipe name), so ``torch.compile`` traces the autograd function that comp
 reads group sizes on the host. The wgrad's operands are quantized per group along the tokens, every
 group starting at a 128-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
 its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
-(backward) are needed, one ``quantize_pair`` writes them from one read (one launch for the blockwise
-recipes).
+(backward) are needed, the copy along the tokens is made after the product that reads the other is
+done, so the two never coexist.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACC
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
 from dropless.ops.permute import sum_copies
-from dropless.ops.quantize import check_quantized, quantize, quantize_pair, quantize_weight
+from dropless.ops.quantize import check_quantized, quantize, quantize_weight
 from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
@@ -146,16 +146,6 @@ def _gathered_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, ro
     return QuantizedTensor(data, scale, act, 1), along
 
 
-def _quantize_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, along_k: bool, along_tokens: bool
-                         ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
-    """``x [M, K]`` quantized along K (every row) and per group along the tokens, each only where asked
-    (else None): both together from one read of x (``quantize_pair``)."""
-    if along_k and along_tokens:
-        return quantize_pair(x, act, offsets)
-    return (quantize(x, act, dim=1) if along_k else None,
-            quantize(x, act, dim=0, offsets=offsets) if along_tokens else None)
-
-
 class Fp8GroupedMM(torch.autograd.Function):
     """``y = grouped x @ w`` in FP8 with the weight's two quantized orientations given.
 
@@ -182,16 +172,16 @@ class Fp8GroupedMM(torch.autograd.Function):
         if rows is not None:
             xq, xt = _gathered_activation(x, act, offsets, rows, wants_wgrad)
         else:
-            # xt: saved as FP8 along the tokens (half the bytes of x), quantized while x is at hand: with
-            # x's copy along K from one read (blockwise), or after the product is done with that copy
-            # (rowwise, two launches anyway), so the two never coexist.
-            one_read = act.block is not None
-            xq, xt = _quantize_activation(x, act, offsets, xq_data is None, wants_wgrad and one_read)
+            xq = quantize(x, act, dim=1) if xq_data is None else None
+            xt = None
         if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
         y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
         del xq, xq_data, xq_scale
         if wants_wgrad and xt is None:
+            # Saved as FP8 along the tokens (half the bytes of x), quantized after the product is done with
+            # x's copy along K, so the two never coexist. Two calls outran one launch writing both copies
+            # from one read of x (v23).
             xt = quantize(x, act, dim=0, offsets=offsets)
         ctx.slots, ctx.tokens = slots, x.shape[0]
         ctx.recipe = recipe
@@ -210,19 +200,15 @@ class Fp8GroupedMM(torch.autograd.Function):
         act, weights = operand_recipes(recipe)
         dy = dy.contiguous()
         dx = dw = None
-        # Rowwise quantizes dy along N and along the tokens in two launches anyway: the second waits until
-        # the input gradient is done with the first, so the two FP8 copies of dy never coexist.
-        one_read = act.block is not None
-        dyq, dyt = _quantize_activation(dy, act, offsets, ctx.needs_input_grad[0], ctx.wants_wgrad and one_read)
         if ctx.needs_input_grad[0]:
+            dyq = quantize(dy, act, dim=1)
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
             if ctx.slots is not None:
                 dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
-        del dyq
-        if ctx.wants_wgrad and dyt is None:
-            dyt = quantize(dy, act, dim=0, offsets=offsets)
+            del dyq
         if ctx.wants_wgrad:
+            dyt = quantize(dy, act, dim=0, offsets=offsets)
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             if ctx.main_grad is not None:
                 quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)

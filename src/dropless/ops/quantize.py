@@ -85,7 +85,7 @@ def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor
 def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data_k, scale_k, data_m, scale_m)`` of a 2D x quantized along dim 1 and along dim 0 per group
-    with the blockwise recipe named ``recipe``, from one read of x on the Triton backend."""
+    with the recipe named ``recipe``: one launch of the tile kernel on the Triton backend (two for rowwise)."""
     r = _recipe_of(recipe, pow2, mx_rounding)
     if not use_triton(x.device):
         return *reference.quantize(x, r, 1), *reference.quantize(x, r, 0, offsets)
@@ -234,7 +234,8 @@ def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, 
 
     Returns exactly ``(quantize(x, recipe, 1), quantize(x, recipe, 0, offsets))``, bit for bit. The
     blockwise recipes (block128, mxfp8) write both from one read of x, in one launch on the Triton backend;
-    rowwise (whose scales span whole rows and groups) runs the two calls.
+    rowwise (whose scales span whole rows and groups) reads x twice, in two launches: the amaxes of both
+    orientations, then the values of both (the two calls read it three times).
 
     Args:
         x: ``[M, K]``, bf16, fp16 or fp32, any strides.
@@ -248,8 +249,6 @@ def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, 
     """
     r = _resolve_recipe(recipe, pow2, mx_rounding)
     _check_input("x", x, (2,))
-    if r.block is None:
-        return quantize(x, r, 1), quantize(x, r, 0, offsets)
     _check_offsets(offsets, x.device)
     offsets = _group_offsets(offsets, x.shape[0], r)
     data_k, scale_k, data_m, scale_m = _QUANTIZE_PAIR(x, r.name, offsets, r.pow2, r.mx_rounding)
