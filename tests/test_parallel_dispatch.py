@@ -191,13 +191,13 @@ def test_symmetric_memory_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case, "symmetric_memory")
 
 
-def _fp8_worker(rank, world, recipe, backend):
+def _fp8_worker(rank, world, recipe, ep_backend):
     """With a recipe the copies travel quantized: the received FP8 rows are the sender's quantization of
     each row, and the values returned beside them are their dequantization, with x's gradient path."""
     per_rank, _ = _inputs(world, [6, 9], 4, 2, 256, "random", 7)
-    x, idx, w, _ = per_rank[rank]
+    x, idx, w, _ = (t.to(rank_device()) for t in per_rank[rank])
     x = x.float().requires_grad_()
-    options = {"backend": backend, **({"max_tokens": 9} if backend == "symmetric_memory" else {})}
+    options = {"backend": ep_backend, **({"max_tokens": 9} if ep_backend == "symmetric_memory" else {})}
     (values, rows_fp8), sizes, handle = dispatch(x, idx, w.float(), num_experts=4, recipe=recipe, **options)
     plain, _, _ = dispatch(x.detach(), idx, w.float(), num_experts=4, **options)
     n = int(sizes.sum())
@@ -211,7 +211,15 @@ def _fp8_worker(rank, world, recipe, backend):
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))  # each token's k = 2 copies
 
 
-@pytest.mark.parametrize("backend", ["nccl", "symmetric_memory"])
+@pytest.mark.parametrize("ep_backend", ["nccl", "symmetric_memory"])
 @pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
-def test_fp8_dispatch(recipe, backend):
-    run_ranks(2, _fp8_worker, recipe, backend)
+def test_fp8_dispatch(recipe, ep_backend):
+    run_ranks(2, _fp8_worker, recipe, ep_backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep_backend", ["nccl", "symmetric_memory"])
+@pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8"])
+def test_fp8_dispatch_on_gpus(recipe, ep_backend):
+    """The same on 2 GPUs, where the received rows' dequantization runs the row-bounded kernel."""
+    run_ranks(2, _fp8_worker, recipe, ep_backend, backend="nccl")
