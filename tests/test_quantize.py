@@ -408,6 +408,31 @@ def test_group_data_starts_128_aligned(backend, name, opts, sizes, M):
     assert not raw(q.data).cpu()[~covered].any(), "gaps and rows past the last group must be 0"
 
 
+@pytest.mark.parametrize("sizes, M", [([0, 130, 5], 140), ([300], 333), ([0, 0, 0], 37), ([128, 0, 1], 129)])
+def test_slot_table(sizes, M):
+    """The per-group slots written out by hand: group g owns slots ``s_g // 128 + g`` up to the next
+    group's first (at least one), the tail (group E) the rest of ``cdiv(M, 128) + E``; each slot's rows
+    start 128 apart from its group's start, its data rows from ``p_g``, up to ``p_{g+1}`` (Mp for the tail)."""
+    from dropless.kernels.quantize import _SLOT_BLOCK, _slot_table_kernel
+
+    E = len(sizes)
+    starts = [s for s, _ in bounds_of(sizes)] + [sum(sizes)]  # the tail's rows start where the groups end
+    ends = [e for _, e in bounds_of(sizes)] + [M]
+    p, Mp = data_rows_of(sizes, M)
+    p += [128 * (starts[E] // 128 + E), Mp]  # where the tail's data rows would start, and the end of all
+    firsts = [starts[g] // 128 + g for g in range(E + 1)]
+    expected = []
+    for slot in range(-(-M // 128) + E):
+        g = max(i for i in range(E + 1) if firsts[i] <= slot)
+        local = slot - firsts[g]
+        expected.append([g, starts[g], ends[g], local, p[g] + 128 * local, p[g + 1]])
+    slots = len(expected)
+    table = torch.full((slots, 8), -1, dtype=torch.int32, device=KERNEL_DEVICE)
+    _slot_table_kernel[(-(-slots // _SLOT_BLOCK),)](offsets_of(sizes, KERNEL_DEVICE), table, M, E, slots, Mp,
+                                                    BLOCK_R=128, E_POW2=8, SLOT_BLOCK=_SLOT_BLOCK)
+    assert table[:, :6].cpu().tolist() == expected
+
+
 def test_group_rows_never_overlap():
     """The layout's arithmetic: for any group sizes, each group's rows rounded up to 128 end before the
     next group's start, and the last group's before Mp."""

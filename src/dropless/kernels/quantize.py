@@ -24,7 +24,9 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   cover every group and the tail past ``offsets[-1]`` (index E, written as zeros) whatever the group
   sizes, which the host never reads. Quantizing along C too (an activation's two orientations), the
   tail's slots read its rows and write them along C, since that output holds every row of x. Each group
-  also owns at least one slot, which writes the scale rows of its empty blocks (1). Group g's data starts
+  also owns at least one slot, which writes the scale rows of its empty blocks (1). A first launch
+  (``_slot_table_kernel``) looks each slot's group and rows up once, so that the programs of its column
+  tiles read them rather than each scanning the offsets. Group g's data starts
   at row ``p_g = A * (starts[g] // A + g)`` (A = ``GROUP_ALIGN`` = 128) of the ``[C, Mp]`` storage; its
   slots write rows ``p_g`` up to ``p_{g+1}`` (its own rows, then zeros), the tail's up to Mp, so every
   byte of the data is written, in runs of A rows that start A-aligned: the compiler sees it
@@ -51,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.groups import group_bounds, pick
+from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows, grouped_scale_rows
 
@@ -141,14 +143,40 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 
 
 @triton.jit
+def _slot_table_kernel(offsets_ptr, table, R, E, SLOTS, DATA_ROWS_R,
+                       BLOCK_R: tl.constexpr, E_POW2: tl.constexpr, SLOT_BLOCK: tl.constexpr):
+    """``_tile_kernel``'s per-group slots, looked up once a slot rather than by each of its column tiles'
+    programs: row ``s`` of ``table [SLOTS, 8]`` (int32) holds slot s's group (E for the tail), the group's
+    first and end rows, the slot's place in the group, and the first and end data rows it writes (the
+    numbering and layout of the module docstring); columns 6 and 7 are unused."""
+    starts, ends = group_bounds(offsets_ptr, E, R, E_POW2)
+    e = tl.arange(0, E_POW2)
+    firsts = starts // BLOCK_R + e
+    data_starts = (starts // _GROUP_ALIGN + e) * _GROUP_ALIGN
+    slot = tl.program_id(0) * SLOT_BLOCK + tl.arange(0, SLOT_BLOCK)
+    group = tl.sum((firsts[None, :] <= slot[:, None]).to(tl.int32), axis=1) - 1
+    this = e[None, :] == group[:, None]
+    local = slot - tl.sum(tl.where(this, firsts[None, :], 0), axis=1)
+    data_end = tl.sum(tl.where(e[None, :] == group[:, None] + 1, data_starts[None, :], 0), axis=1)
+    row = table + slot.to(tl.int64) * 8
+    ok = slot < SLOTS
+    tl.store(row, group, mask=ok)
+    tl.store(row + 1, tl.sum(tl.where(this, starts[None, :], 0), axis=1), mask=ok)
+    tl.store(row + 2, tl.sum(tl.where(this, ends[None, :], 0), axis=1), mask=ok)
+    tl.store(row + 3, local, mask=ok)
+    tl.store(row + 4, tl.sum(tl.where(this, data_starts[None, :], 0), axis=1) + local * BLOCK_R, mask=ok)
+    tl.store(row + 5, tl.where(group < E, data_end, DATA_ROWS_R), mask=ok)
+
+
+@triton.jit
 def _tile_kernel(
-    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, offsets_ptr, rows_ptr,
+    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, slot_table, rows_ptr,
     R, C, E, SLOTS, SCALE_ROWS_R, DATA_ROWS_R,
     stride_xb, stride_xr, stride_xc,
     ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
     BLOCK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
     EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Quantize one tile of ``x [BATCH, R, C]`` along R and/or C.
 
@@ -158,17 +186,17 @@ def _tile_kernel(
     data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
     GATHER: row i of the quantized operand is row ``rows_ptr[i]`` of x (R rows, read by index).
+    slot_table: with GROUPED, ``_slot_table_kernel``'s table of the slots.
     """
     pid = tl.program_id(0)
     batch = pid // SLOTS
     slot = pid - batch * SLOTS
     if GROUPED:
-        starts, ends = group_bounds(offsets_ptr, E, R, E_POW2)
-        firsts = starts // BLOCK_R + tl.arange(0, E_POW2)
-        group = tl.sum((firsts <= slot).to(tl.int32), axis=0) - 1
-        group_start = pick(starts, group, E_POW2)
-        end = pick(ends, group, E_POW2)
-        local = slot - pick(firsts, group, E_POW2)
+        info = slot_table + slot.to(tl.int64) * 8
+        group = tl.load(info)
+        group_start = tl.load(info + 1)
+        end = tl.load(info + 2)
+        local = tl.load(info + 3)
         row0 = group_start + local * BLOCK_R
         # The tail past offsets[-1] (group E) belongs to no group: its tiles write zeros along R, and read
         # its rows only for the output along C, which quantizes every row.
@@ -179,10 +207,8 @@ def _tile_kernel(
         # Group g's data rows start at A * (starts[g] // A + g), A-aligned (dropless.quantized), and its
         # tiles write every row up to the next group's start, zeros past its own rows: the tiles of
         # all groups and the tail write each of the DATA_ROWS_R rows once, in whole runs of A rows.
-        data_starts = (starts // _GROUP_ALIGN + tl.arange(0, E_POW2)) * _GROUP_ALIGN
-        out_row0 = tl.multiple_of(pick(data_starts, group, E_POW2) + local * BLOCK_R, _GROUP_ALIGN)
-        out_end = tl.where(group < E, pick(data_starts, group + 1, E_POW2), DATA_ROWS_R)
-        out_rows = tl.multiple_of(out_end - out_row0, _GROUP_ALIGN)
+        out_row0 = tl.multiple_of(tl.load(info + 4), _GROUP_ALIGN)
+        out_rows = tl.multiple_of(tl.load(info + 5) - out_row0, _GROUP_ALIGN)
     else:
         group = batch
         end = R
@@ -394,6 +420,9 @@ def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> 
     return (128, 64, warps) if along_r else (64, 128, warps)
 
 
+_SLOT_BLOCK = 64  # slots a program of _slot_table_kernel looks up
+
+
 def _tile128_shape() -> tuple[int, int]:
     """``(CHUNK_R, num_warps)`` of ``_tile128_kernel``: 32x128 chunks over 8 warps, 16 elements a thread,
     the best of six shapes on an H100 (v23: 1.4x the one-pass 128x128 program of 16 warps)."""
@@ -455,11 +484,17 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
     scale_rows_r = 0 if rowwise else grouped_scale_rows(R, E, recipe.block) if grouped else cdiv(R, recipe.block)
     amax_r = torch.zeros(E if grouped else BATCH, C, dtype=torch.int32, device=x.device) if rowwise and along_r else x
     amax_c = torch.zeros(BATCH, R, dtype=torch.int32, device=x.device) if rowwise and along_c else x
+    slot_table = x
+    if grouped:
+        slot_table = torch.empty(slots, 8, dtype=torch.int32, device=x.device)
+        _slot_table_kernel[(cdiv(slots, _SLOT_BLOCK),)](
+            offsets, slot_table, R, E, slots, data_rows_r,
+            BLOCK_R=block_r, E_POW2=next_power_of_2(E + 1), SLOT_BLOCK=_SLOT_BLOCK, num_warps=4)
     for amax_pass in (True, False) if rowwise else (False,):
         _tile_kernel[grid](
             x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
-            x if offsets is None else offsets, x if rows is None else rows,
+            slot_table, x if rows is None else rows,
             R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
             ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
@@ -467,8 +502,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
             WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r, R))),
             GATHER=rows is not None,
-            BLOCK_R=block_r, BLOCK_C=block_c, E_POW2=next_power_of_2(E + 1),
-            num_warps=num_warps,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
         )
 
 
