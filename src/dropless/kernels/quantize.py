@@ -406,8 +406,9 @@ def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> 
     """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen by
     measurement on an H100 (benchmarks/NOTES.md, v13 and v23). fp32-scaled recipes along one dim run 8
     warps (32 elements a thread); mxfp8, the per-group tiles and a weight's two orientations run 4, which
-    keeps their block and group reductions inside fewer warps (8 warps lost up to 40% there). Both
-    orientations of block128's 1x128 blocks need 128x128 tiles, on 8 warps."""
+    kept their block and group reductions inside fewer warps (8 warps lost up to 40% there, v13, while
+    each per-group program still looked its group up itself). Both orientations of block128's 1x128
+    blocks need 128x128 tiles, on 8 warps."""
     if along_r and along_c:
         if recipe.block == 128:
             return 128, 128, 8
