@@ -326,12 +326,12 @@ def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weighted: bool =
     rank sums those."""
     T, k, P, U = handle.tokens, handle.top_k, handle.world, handle.stage_src.shape[0]
     partial = torch.empty(U, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    weights = torch.zeros(U * k + 1, dtype=torch.float32, device=rows.device)
-    if weighted:
+    weights = None
+    if weighted:  # each (staged row, slot)'s routing weight, 0 where it holds no copy
         valid = handle.inverse < handle.rows
-        weights[:U * k] = torch.where(valid, handle.row_weight[handle.inverse.long().clamp(max=handle.rows - 1)], 0.0)
-    unpermute_rows(rows, handle.inverse, handle.received, k, partial,
-                   weights[:U * k].view(U, k) if weighted else None)
+        weights = torch.where(valid, handle.row_weight[handle.inverse.long().clamp(max=handle.rows - 1)],
+                              0.0).float().view(U, k)
+    unpermute_rows(rows, handle.inverse, handle.received, k, partial, weights)
     words = as_words(partial)
     space = handle.space(copy_bytes=words.shape[1] * words.element_size())
     ws = space.workspace
