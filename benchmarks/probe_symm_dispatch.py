@@ -16,20 +16,16 @@ import torch.distributed as dist
 
 from dropless.bench import ep_exchange
 from dropless.bench.routing import draw_topk
+from dropless.bench.timing import back_to_back_ms
 from dropless.parallel import combine, dispatch
 
 
 def _time(fn, n: int = 20) -> float:
+    """Per-call ms of ``fn`` back to back, after one warm call and a barrier of all ranks."""
     fn()
     torch.cuda.synchronize()
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return back_to_back_ms(fn, n)
 
 
 def main() -> None:

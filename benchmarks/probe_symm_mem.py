@@ -20,6 +20,8 @@ import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
+from dropless.bench.timing import back_to_back_ms
+
 
 @triton.jit
 def _move(peers, src_rank, src_row, dst_rank, dst_row, src, dst, n_rows, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -40,17 +42,6 @@ def _move(peers, src_rank, src_row, dst_rank, dst_row, src, dst, n_rows, D: tl.c
         base = tl.load(peers + s, mask=ok, other=0).to(tl.pointer_type(tl.bfloat16))
         r = tl.load(dst_row + i, mask=ok, other=0).to(tl.int64)
         tl.store(base[:, None] + r[:, None] * D + cols[None, :], v, mask=m)
-
-
-def _ms_per_call(fn, n: int) -> float:
-    """Milliseconds per call of ``fn`` over ``n`` calls in a row, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def main() -> None:
@@ -91,7 +82,7 @@ def main() -> None:
         expect = base_vals[perm] + src_rank[:, None].to(torch.bfloat16)
         ok = torch.equal(out, expect)
         hdl.barrier(channel=0)
-        ms = _ms_per_call(pull, 10)
+        ms = back_to_back_ms(pull, 10)
         results.append(("pull", bm, bd, warps, ok, ms, remote * D * 2 / ms / 1e6))
         hdl.barrier(channel=0)
     # Push: this rank's row i goes to rank i % world at row (perm[i]); every destination row is written
@@ -106,12 +97,12 @@ def main() -> None:
         hdl.barrier(channel=0)
         push()
         hdl.barrier(channel=0)
-        ms = _ms_per_call(push, 10)
+        ms = back_to_back_ms(push, 10)
         results.append(("push", bm, bd, warps, True, ms, remote * D * 2 / ms / 1e6))
     hdl.barrier(channel=0)
     # Barrier cost.
     torch.cuda.synchronize()
-    barrier_us = _ms_per_call(lambda: hdl.barrier(channel=0), 100) * 1e3
+    barrier_us = back_to_back_ms(lambda: hdl.barrier(channel=0), 100) * 1e3
     # CUDA graph: restore the buffer, then capture barrier + pull + barrier and replay.
     buf.copy_(own)
     hdl.barrier(channel=0)

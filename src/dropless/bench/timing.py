@@ -26,6 +26,18 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: float, rep: f
     return _host_median_ms(fn, warmup, rep)
 
 
+def back_to_back_ms(fn: Callable[[], Any], n: int) -> float:
+    """Milliseconds per call of ``fn`` over ``n`` calls queued back to back on the current CUDA stream,
+    by CUDA events around all of them (no sync between calls: the rate a stream of them sustains)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def _host_median_ms(fn: Callable[[], Any], warmup: float, rep: float) -> float:
     # Bounded by wall time rather than by a count from an estimate: host clocks on a shared CPU
     # jump, and a count taken from one fast estimate can run for minutes.
