@@ -357,6 +357,13 @@ def test_dequantize_kernel_writes_only_the_rows_asked(name, opts, n, triton_back
     assert torch.equal(q.dequantize(torch.bfloat16, rows=rows)[:n], expected)  # through the op
 
 
+def test_dequantize_rows_errors_name_the_argument():
+    q = dropless.quantize(torch.randn(8, 32), "rowwise", 1)
+    for rows in (torch.tensor([1, 2]), torch.tensor([1.0]), 3):
+        with pytest.raises((ValueError, TypeError), match="rows must be"):
+            q.dequantize(torch.bfloat16, rows=rows)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The per-group layout
 

@@ -21,7 +21,7 @@ import torch
 from dropless import reference
 from dropless.backend import use_triton
 from dropless.kernels.swiglu import glu_backward, glu_forward, glu_forward_quantized
-from dropless.ops.checks import REFERENCE_DTYPES, TRITON_DTYPES, check_matrix, check_tensor
+from dropless.ops.checks import REFERENCE_DTYPES, TRITON_DTYPES, check_matrix, check_row_count, check_tensor
 from dropless.ops.direct import DirectOp
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
 from dropless.ops.quantize import _resolve_recipe, empty_quantized
@@ -125,10 +125,7 @@ def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_i
         raise ValueError(f"h must have an even last dimension 2F (the gate and up halves, [M, 2F]), "
                          f"got shape {tuple(h.shape)}")
     if rows is not None:
-        check_tensor("rows", rows)
-        if rows.shape != (1,) or rows.dtype not in (torch.int32, torch.int64) or rows.device != h.device:
-            raise ValueError(f"rows must be an int32/int64 tensor of shape [1] on h's device {h.device}, got "
-                             f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
+        check_row_count(rows, h.device, "h")
     if not quantized:
         return _GLU(h, activation, grad_in_place, rows)
     act, _ = operand_recipes(resolve_recipe(recipe))

@@ -48,6 +48,15 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but the operands are on {device}")
 
 
+def check_row_count(rows: object, device: torch.device, of: str) -> None:
+    """``rows``, the number of leading rows of ``of`` that hold data (an expert-parallel buffer sized for
+    the most a rank can receive), is an int32/int64 tensor of shape [1] on ``device``."""
+    check_tensor("rows", rows)
+    if rows.shape != (1,) or rows.dtype not in (torch.int32, torch.int64) or rows.device != device:
+        raise ValueError(f"rows must be an int32/int64 tensor of shape [1] on {of}'s device {device}, got "
+                         f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
+
+
 def resolve_offsets(offsets: torch.Tensor | None, group_sizes: torch.Tensor | None, E: int,
                     device: torch.device) -> torch.Tensor:
     """int32 ``[E]`` cumulative group ends on ``device``, from ``offsets`` or ``group_sizes`` (E < 0: as

@@ -9,7 +9,7 @@ import torch
 from dropless import reference
 from dropless.backend import use_triton
 from dropless.kernels.dequantize import dequantize_rows
-from dropless.ops.checks import TRITON_DTYPES
+from dropless.ops.checks import TRITON_DTYPES, check_row_count
 from dropless.ops.direct import DirectOp
 from dropless.quantized import QuantizedTensor
 
@@ -33,6 +33,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype, rows: torch.Tensor | None
     """``q.data * q.scale`` as a new contiguous tensor of ``dtype``, computed in fp32 and rounded once:
     bit for bit ``dropless.reference.dequantize(q).to(dtype)``. ``rows`` (int ``[1]`` on the device): the
     one-pass kernel writes only that many first rows, the rest left unwritten (elsewhere all are)."""
+    if rows is not None:
+        check_row_count(rows, q.data.device, "q.data")
     one_pass = (q.data.dim() == 2 and q.dim == 1 and q.offsets is None and not q.recipe.tile
                 and q.data.is_contiguous() and q.scale.is_contiguous() and dtype in TRITON_DTYPES)
     if one_pass and use_triton(q.data.device):
