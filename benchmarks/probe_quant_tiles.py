@@ -1,7 +1,7 @@
 """The quantization kernels' launch shapes, swept on one GPU: which tile, warps and column tiles a
 program walks move the most bytes.
 
-    PYTHONPATH=src python benchmarks/probe_quant_tiles.py [--quick]
+    PYTHONPATH=src python benchmarks/probe_quant_tiles.py [--quick] [SECTION ...]
 
 GB/s of the bytes each call must move at the least (the bf16 input read once, each FP8 copy written),
 next to a device copy's (bytes read + written), for:
@@ -31,6 +31,7 @@ from dropless.ops.quantize import quantize_pair
 
 DEV = torch.device("cuda")
 QUICK = "--quick" in sys.argv
+SECTIONS = {int(a) for a in sys.argv[1:] if a.isdigit()} or {1, 2, 3}
 
 
 def ms(fn) -> float:
@@ -71,6 +72,8 @@ def main() -> None:
                ("mixtral dy", 4, 16384, 14336)]
     if QUICK:
         tensors = tensors[:2]
+    if 1 not in SECTIONS:
+        tensors = []
     print("\n1. per group along the tokens; shapes " + " ".join(map(str, group_shapes)))
     for name, E, M, C in tensors:
         offsets = torch.tensor(group_sizes(E, M, "skewed", 0, 16), device=DEV).cumsum(0).to(torch.int32)
@@ -88,7 +91,7 @@ def main() -> None:
     tile128_shapes = [(32, 4), (16, 4), (64, 4), (32, 8), (64, 8), (128, 16)]
     print("\n2. weights, both orientations; shapes " + " ".join(map(str, weight_shapes)) +
           "; block128x128 " + " ".join(map(str, tile128_shapes)))
-    for E in (8, 128):
+    for E in (8, 128) if 2 in SECTIONS else ():
         w = torch.randn(E, 1536, 2048, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
         for recipe in ("mxfp8", "rowwise"):
             row(f"E={E} {recipe}", 4 * w.numel(), "_tile_shape", weight_shapes,
@@ -100,7 +103,7 @@ def main() -> None:
     along_k_shapes = [(64, 128, 8), (64, 128, 4), (32, 128, 4), (32, 256, 8), (16, 512, 8)]
     print("\n3. along K; tile shapes " + " ".join(map(str, along_k_shapes)))
     for name, M, K in [("qwen3-down x", 65536, 768), ("gptoss x", 32768, 2880), ("qwen3 x", 65536, 2048),
-                       ("dsv3 dy", 32768, 7168)]:
+                       ("dsv3 dy", 32768, 7168)] if 3 in SECTIONS else []:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         for recipe in ("block128", "mxfp8"):
             row(f"{name} {recipe}", 3 * M * K, "_tile_shape", along_k_shapes,

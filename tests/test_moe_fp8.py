@@ -77,22 +77,22 @@ def test_grouped_linear_with_x_quantized_gives_the_same_bits(device, recipe, dty
 
 def test_grouped_linear_skips_quantizing_x_along_k(device, monkeypatch):
     """With x_quantized the forward quantizes x only along the tokens (for the weight gradient); without,
-    along K for its product and then along the tokens."""
+    along K for its product and then along the tokens, neither past the last group (tail=False)."""
     calls = []
     original = grouped_mm_fp8.quantize
 
     def recording(x, recipe, dim=-1, offsets=None, **kwargs):
-        calls.append((dim, offsets is None))
+        calls.append((dim, offsets is not None and not kwargs.get("tail", True)))
         return original(x, recipe, dim, offsets, **kwargs)
 
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
     layer = dropless.GroupedLinear(2, D_FF, 32, recipe="block128", device=device)
     x = torch.randn(40, D_FF, device=device)
     layer(x, [10, 30], x_quantized=dropless.quantize(x, layer.recipe, dim=-1))
-    assert calls == [(0, False)]
+    assert calls == [(0, True)]
     calls.clear()
     layer(x, [10, 30])
-    assert calls == [(1, True), (0, False)]
+    assert calls == [(1, True), (0, True)]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -550,6 +550,46 @@ def test_kernels_write_every_element(name, opts, dim, sizes, M):
     assert_same(QuantizedTensor(data, scale, recipe, dim), *reference.quantize(x.cpu(), recipe, dim, offsets))
 
 
+def untouched(t: torch.Tensor) -> bool:
+    """Every element of ``t`` still holds the poison."""
+    return bool((raw(t) == POISON[t.dtype]).all()) if t.element_size() == 1 else bool(t.isnan().all())
+
+
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("sizes, M", [([0, 70, 0, 81], 400), ([0, 0], 130), ([300], 300)])
+def test_bound_writes_the_groups_rows_and_leaves_the_tail(name, opts, dim, sizes, M):
+    """``bound=offsets[-1:]`` (``quantize(tail=False)``): the groups' rows (per group along the tokens, with
+    the zeros up to the tail's first row) as the reference has them, and not one byte past them."""
+    recipe = get_recipe(name, **opts)
+    x = planted((M, 40), torch.float32, KERNEL_DEVICE)
+    offsets = offsets_of(sizes, KERNEL_DEVICE)
+    groups = offsets if dim == 0 else None
+    data, scale = (poison(t) for t in empty_quantized(x.shape, recipe, dim, len(sizes) if dim == 0 else None,
+                                                      KERNEL_DEVICE))
+    quantize_along(x, data, scale, recipe, dim, groups, bound=offsets[-1:])
+    ref_data, ref_scale = reference.quantize(x.cpu(), recipe, dim, None if groups is None else offsets.cpu())
+    routed = sum(sizes)
+    written, scale_rows = routed, routed
+    if dim == 0:
+        written = data_rows_of([*sizes, M - routed], M)[0][-1]  # the tail's first data row: p_E
+        scale_rows = len(sizes) if recipe.block is None else routed // recipe.block + len(sizes)
+    assert_same(QuantizedTensor(data[:written], scale[:scale_rows], recipe, dim),
+                ref_data[:written], ref_scale[:scale_rows].contiguous())
+    assert untouched(data[written:]) and untouched(scale[scale_rows:])
+
+
+def test_tail_errors_name_the_argument():
+    x = torch.randn(10, 16)
+    offsets = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^tail=False needs offsets"):
+        dropless.quantize(x, "rowwise", 1, tail=False)
+    with pytest.raises(ValueError, match=r"^offsets need a 2D x quantized along dim 0"):
+        dropless.quantize(x, "rowwise", 1, offsets)
+    q = dropless.quantize(x, "rowwise", 1, offsets, tail=False)
+    assert q.offsets is None and q.dim == 1 and q.data.shape == x.shape
+
+
 @pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("E, K, N", [(2, 70, 33), (1, 0, 16), (2, 16, 0)])
 def test_weight_kernel_writes_every_element(name, opts, E, K, N):

@@ -61,6 +61,25 @@ def tile_table(offsets_ptr, E, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr):
+    """Zeros over the unrouted tail of ``c [M, N]`` (entry E of ``tile_table``: the rows past the last
+    group), its ``BLOCK_M x BLOCK_N`` tiles shared out over the persistent programs after their
+    products: those rows cost their bytes, not a K loop over zeros."""
+    row_start = pick(starts, E, E_POW2)
+    row_end = pick(ends, E, E_POW2)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c.dtype.element_ty)
+    for t in range(tl.program_id(0), tl.cdiv(row_end - row_start, BLOCK_M) * tiles_n, NUM_PROGRAMS):
+        row0 = row_start + (t // tiles_n) * BLOCK_M
+        col0 = (t % tiles_n) * BLOCK_N
+        ptrs = c + (row0 + rows).to(tl.int64)[:, None] * stride_cm + (col0 + cols)[None, :] * stride_cn
+        tl.store(ptrs, zeros, mask=(rows < row_end - row0)[:, None] & (cols < N - col0)[None, :])
+
+
+@triton.jit
 def locate_tile(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr, E_POW2: tl.constexpr):
     """Ragged-M tile number -> ``(group, group's end row, tile's first row, tile's first column)``."""

@@ -143,6 +143,15 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 
 
 @triton.jit
+def _transposed_bytes(q):
+    """The FP8 tile ``q`` transposed, as its bytes (uint8), for a store through a uint8 view of the data.
+    A transposed float8 tile stored next to the untransposed one picks up foreign bytes on sm_90 with
+    the ptxas that Triton 3.6 ships (triton-lang/triton#11111; NaN bytes in fp32 weights' data along K
+    here); the same transpose of uint8 is exact."""
+    return tl.trans(q.to(tl.uint8, bitcast=True))
+
+
+@triton.jit
 def _slot_table_kernel(offsets_ptr, table, R, E, SLOTS, DATA_ROWS_R,
                        BLOCK_R: tl.constexpr, E_POW2: tl.constexpr, SLOT_BLOCK: tl.constexpr):
     """``_tile_kernel``'s per-group slots, looked up once a slot rather than by each of its column tiles'
@@ -170,10 +179,11 @@ def _slot_table_kernel(offsets_ptr, table, R, E, SLOTS, DATA_ROWS_R,
 
 @triton.jit
 def _tile_kernel(
-    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, slot_table, rows_ptr,
+    x, data_r, scale_r, data_c, scale_c, amax_r, amax_c, slot_table, rows_ptr, bound_ptr,
     R, C, E, SLOTS, SCALE_ROWS_R, DATA_ROWS_R,
     stride_xb, stride_xr, stride_xc,
-    ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, AMAX_PASS: tl.constexpr,
+    ALONG_R: tl.constexpr, ALONG_C: tl.constexpr, GROUPED: tl.constexpr, BOUNDED: tl.constexpr,
+    AMAX_PASS: tl.constexpr,
     BLOCK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
     EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -182,11 +192,12 @@ def _tile_kernel(
 
     BLOCK: elements per scale (0: rowwise, scales from ``amax_r [G, C]`` / ``amax_c [BATCH, R]``, G the
     groups or BATCH).
-    data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise);
-    data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
+    data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise), as
+    uint8 (the FP8 bytes); data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
     GATHER: row i of the quantized operand is row ``rows_ptr[i]`` of x (R rows, read by index).
-    slot_table: with GROUPED, ``_slot_table_kernel``'s table of the slots.
+    slot_table: with GROUPED, ``_slot_table_kernel``'s table of the slots. BOUNDED: rows from
+    ``bound_ptr[0]`` on are not written (with GROUPED: the tail past the last group writes nothing).
     """
     pid = tl.program_id(0)
     batch = pid // SLOTS
@@ -208,10 +219,15 @@ def _tile_kernel(
         # tiles write every row up to the next group's start, zeros past its own rows: the tiles of
         # all groups and the tail write each of the DATA_ROWS_R rows once, in whole runs of A rows.
         out_row0 = tl.multiple_of(tl.load(info + 4), _GROUP_ALIGN)
-        out_rows = tl.multiple_of(tl.load(info + 5) - out_row0, _GROUP_ALIGN)
+        out_rows = tl.load(info + 5) - out_row0
+        if BOUNDED:
+            out_rows = tl.where(group < E, out_rows, 0)
+        out_rows = tl.multiple_of(out_rows, _GROUP_ALIGN)
     else:
         group = batch
         end = R
+        if BOUNDED:
+            end = tl.minimum(end, tl.load(bound_ptr).to(tl.int32))
         local = slot
         row0 = slot * BLOCK_R
         live = row0 < end
@@ -274,7 +290,7 @@ def _tile_kernel(
                 if GROUPED:
                     first_row = group_start // BLOCK + group + local * (BLOCK_R // BLOCK)
                     # The group's scale rows end where the next group's begin; the tail's at the last.
-                    rows_end = tl.where(group < E, end // BLOCK + group + 1, SCALE_ROWS_R)
+                    rows_end = tl.where(group < E, end // BLOCK + group + 1, first_row if BOUNDED else SCALE_ROWS_R)
                     has_rows = (b * BLOCK < end - row0) & live
                 else:
                     first_row = local * (BLOCK_R // BLOCK)
@@ -286,7 +302,7 @@ def _tile_kernel(
                 scale_tile = scale_r + (batch64 * SCALE_ROWS_R + first_row) * C + col64
                 tl.store(scale_tile + b[:, None] * C + c[None, :], scale.to(scale_r.dtype.element_ty),
                          mask=(b < rows_end - first_row)[:, None] & col_ok[None, :])
-            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
+            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], _transposed_bytes(q), mask=out_mask)
         if ALONG_C:
             if BLOCK == 0:
                 amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
@@ -312,7 +328,7 @@ def _tile128_kernel(
     WIDE: tl.constexpr, CHUNK_R: tl.constexpr,
 ):
     """One scale per 128x128 tile of ``x [BATCH, R, C]`` (block128x128): ``scale [BATCH, cdiv(R, 128),
-    cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``) and/or along C into ``data_c``
+    cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``, as uint8) and/or along C into ``data_c``
     (``[BATCH, R, C]``). A program walks its tile twice in ``CHUNK_R x 128`` chunks, the amax first and
     then the values (the second read from L2), so it holds a chunk at a time and several programs share
     a multiprocessor."""
@@ -347,17 +363,21 @@ def _tile128_kernel(
             tl.store(data_c_rows + r[:, None] * C + c[None, :], q, mask=mask)
         if ALONG_R:
             data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
-            tl.store(data_r_cols + c[:, None] * R + r[None, :], tl.trans(q), mask=col_ok[:, None] & row_ok[None, :])
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], _transposed_bytes(q),
+                     mask=col_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
 def _rowwise_kernel(
-    x, data, scale, M, K, stride_xm, stride_xk,
-    POW2: tl.constexpr, EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x, data, scale, bound_ptr, M, K, stride_xm, stride_xk,
+    POW2: tl.constexpr, EMULATE_FP8: tl.constexpr, WIDE: tl.constexpr, BOUNDED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One scale per row of ``x [M, K]``: ``data [M, K]`` row-major, ``scale [M]``. Rows of at most BLOCK_K
-    are read once and held in registers; longer ones are walked twice (the second read from L2)."""
+    are read once and held in registers; longer ones are walked twice (the second read from L2).
+    BOUNDED: rows from ``bound_ptr[0]`` on are neither read nor written."""
+    if BOUNDED:
+        M = tl.minimum(M, tl.load(bound_ptr).to(tl.int32))
     row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_K)
@@ -439,7 +459,7 @@ def _launch_tile128(x: torch.Tensor, scale: torch.Tensor, data_r: torch.Tensor |
         return
     chunk_r, num_warps = _tile128_shape()
     _tile128_kernel[(BATCH * cdiv(R, 128), cdiv(C, 128))](
-        x, x if data_r is None else data_r, x if data_c is None else data_c, scale, R, C,
+        x, x if data_r is None else data_r.view(torch.uint8), x if data_c is None else data_c, scale, R, C,
         x.stride(0), x.stride(1), x.stride(2),
         ALONG_R=data_r is not None, ALONG_C=data_c is not None, POW2=recipe.pow2, EMULATE_FP8=interpreting(),
         WIDE=_wide(*(256 * n for n in (*x.shape, *x.stride()))), CHUNK_R=chunk_r, num_warps=num_warps,
@@ -459,12 +479,13 @@ def _raw(scale: torch.Tensor) -> torch.Tensor:
 def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | None = None,
                   scale_r: torch.Tensor | None = None, data_c: torch.Tensor | None = None,
                   scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None) -> None:
+                  rows: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> None:
     """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
     ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe
     (``_tile128_kernel``) writes its one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
     amax buffers it allocates. ``rows`` (int ``[R']``): the operand is ``x[:, rows]``, read by index
-    (R' rows; along R per group only)."""
+    (R' rows; along R per group only). ``bound`` (int ``[1]``): rows from ``bound[0]`` on are not written;
+    per group, the tail past the last group writes nothing."""
     if recipe.tile:
         _launch_tile128(x, scale_r, data_r, data_c, recipe)
         return
@@ -493,12 +514,12 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             BLOCK_R=block_r, E_POW2=next_power_of_2(E + 1), SLOT_BLOCK=_SLOT_BLOCK, num_warps=4)
     for amax_pass in (True, False) if rowwise else (False,):
         _tile_kernel[grid](
-            x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
+            x, x if data_r is None else data_r.view(torch.uint8), x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
-            slot_table, x if rows is None else rows,
+            slot_table, x if rows is None else rows, x if bound is None else bound,
             R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
-            ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, AMAX_PASS=amax_pass,
+            ALONG_R=along_r, ALONG_C=along_c, GROUPED=grouped, BOUNDED=bound is not None, AMAX_PASS=amax_pass,
             BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8", POW2=recipe.pow2,
             RCEIL=recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
             WIDE=_wide(*(2 * max(block_r, block_c) * n for n in (*x.shape, *x.stride(), data_rows_r, R))),
@@ -508,7 +529,8 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
 
 
 def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe, dim: int,
-                   offsets: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+                   offsets: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   bound: torch.Tensor | None = None) -> None:
     """Write ``x`` quantized along ``dim`` into ``data`` and ``scale``; arguments are already checked by
     the caller.
 
@@ -525,19 +547,22 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     int32 amax buffer they allocate (``[E or 1, K]`` along the tokens).
     rows: int32/int64 ``[M']`` (2D x, dim 0 with offsets): quantize ``x[rows]`` (data and scale shaped for
     M' rows), each row read by index from x: the permuted rows of a layer, never written in x's dtype.
+    bound: int ``[1]`` on x's device (2D x, not block128x128), read there: rows from ``bound[0]`` on are
+    left unwritten, data and scales (with offsets, the tail past the last group), for a product that
+    reads no row past its last group.
     """
     launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if dim == x.dim() - 2:
-        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows)
+        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows, bound=bound)
     elif recipe.block is not None or x.dim() == 3:
-        _launch_tiles(x3, recipe, data_c=data, **{"scale_r" if recipe.tile else "scale_c": scale})
+        _launch_tiles(x3, recipe, data_c=data, bound=bound, **{"scale_r" if recipe.tile else "scale_c": scale})
     elif x.shape[0] > 0:
         M, K = x.shape
         block_m, block_k, num_warps = _rowwise_shape(K)
         _rowwise_kernel[(cdiv(M, block_m),)](
-            x, data, scale, M, K, x.stride(0), x.stride(1),
-            POW2=recipe.pow2, EMULATE_FP8=interpreting(),
+            x, data, scale, x if bound is None else bound, M, K, x.stride(0), x.stride(1),
+            POW2=recipe.pow2, EMULATE_FP8=interpreting(), BOUNDED=bound is not None,
             WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K), BLOCK_M=block_m, BLOCK_K=block_k,
             num_warps=num_warps,
         )

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.groups import locate_tile, tile_table
+from dropless.kernels.groups import locate_tile, pick, tile_table, zero_tail
 from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2, weight_nk
 
 
@@ -34,10 +34,11 @@ def _ragged_m_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     starts, ends, tiles, tiles_end = tile_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2)
-    total_tiles = tl.sum(tiles, axis=0)
+    # The groups' tiles; the unrouted tail (entry E) gets its zeros after them (zero_tail).
+    routed_tiles = pick(tiles_end, E - 1, E_POW2)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
+    for tile_id in tl.range(tl.program_id(0), routed_tiles, NUM_PROGRAMS,
                             flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         group, row_end, row0, col0 = locate_tile(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                                  GROUP_M, E_POW2)
@@ -45,14 +46,11 @@ def _ragged_m_kernel(
         cols = col0 + tl.arange(0, BLOCK_N)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # Every tile runs the same number of steps, so the loop nest can be pipelined as one. The
-        # tail group (index E) has no weight and must write zeros whatever its rows of a hold: its A
-        # and B blocks are read from past the end of the operands (zero-filled by TMA) or masked.
-        a_row0 = tl.where(group < E, row0, M)
+        # Every tile runs the same number of steps, so the loop nest can be pipelined as one.
         for k_step in range(k_tiles):
             k0 = k_step * BLOCK_K
             if USE_TMA:
-                a_tile = a.load([a_row0, k0])
+                a_tile = a.load([row0, k0])
                 if B_NK:
                     b_tile = b.load([group, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
                 else:
@@ -61,10 +59,10 @@ def _ragged_m_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a_tile = tl.load(
                     a + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=(rows < row_end)[:, None] & (ks < K)[None, :] & (group < E), other=0.0)
+                    mask=(rows < row_end)[:, None] & (ks < K)[None, :], other=0.0)
                 b_tile = tl.load(
                     b + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=(ks < K)[:, None] & (cols < N)[None, :] & (group < E), other=0.0)
+                    mask=(ks < K)[:, None] & (cols < N)[None, :], other=0.0)
             if UPCAST:
                 a_tile = a_tile.to(tl.float32)
                 b_tile = b_tile.to(tl.float32)
@@ -76,6 +74,7 @@ def _ragged_m_kernel(
             # A tile that ends past its group's last row: mask the rows of the next group.
             c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
 def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.groups import locate_tile, tile_table
+from dropless.kernels.groups import locate_tile, pick, tile_table, zero_tail
 from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2
 from dropless.kernels.scales import FP8_MIN_STEP, SCALE_EPILOGUE, SCALE_PER_STEP, load_scale
 
@@ -50,28 +50,26 @@ def _ragged_m_fp8_kernel(
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     starts, ends, tiles, tiles_end = tile_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2)
-    total_tiles = tl.sum(tiles, axis=0)
+    # The groups' tiles; the unrouted tail (entry E) gets its zeros after them (zero_tail).
+    routed_tiles = pick(tiles_end, E - 1, E_POW2)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    for tile_id in tl.range(tl.program_id(0), total_tiles, NUM_PROGRAMS,
+    for tile_id in tl.range(tl.program_id(0), routed_tiles, NUM_PROGRAMS,
                             flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         group, row_end, row0, col0 = locate_tile(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
                                                  GROUP_M, E_POW2)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
-        # The tail group (index E) has no weight and no scales: its loads are masked (or read from past
-        # the operands' ends, zero-filled by TMA), so it writes zeros whatever its rows of a hold.
-        row_ok = (rows < row_end) & (group < E)
-        col_ok = (cols < N) & (group < E)
+        row_ok = rows < row_end
+        col_ok = cols < N
         sa_ptrs = a_scale + (rows // A_BM).to(tl.int64) * stride_sam
         sb_ptrs = b_scale + group.to(tl.int64) * stride_sbe + (cols // B_BN) * stride_sbn
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        a_row0 = tl.where(group < E, row0, M)
         for k_step in range(k_tiles):
             k0 = k_step * BLOCK_K
             if USE_TMA:
-                a_tile = a.load([a_row0, k0])
+                a_tile = a.load([row0, k0])
                 b_tile = b.load([group, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
             else:
                 ks = k0 + tl.arange(0, BLOCK_K)
@@ -99,6 +97,7 @@ def _ragged_m_fp8_kernel(
             # A tile that ends past its group's last row: mask the rows of the next group.
             c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
 @dataclass(frozen=True)

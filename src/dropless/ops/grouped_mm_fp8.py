@@ -13,7 +13,9 @@ reads group sizes on the host. The wgrad's operands are quantized per group alon
 group starting at a 128-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
 its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
 (backward) are needed, the copy along the tokens is made after the product that reads the other is
-done, so the two never coexist.
+done, so the two never coexist. Rows past the last group (a buffer sized for the most rows a rank can
+receive) are neither quantized (``quantize(..., tail=False)``) nor multiplied: the products write their
+zeros only.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _gathered_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, ro
     where asked, per group along the tokens (each row read by index); ``x[rows]`` itself is never made."""
     tokens = quantize(x, act, dim=1)
     data, scale = GATHER_ROWS(tokens.data, rows), GATHER_ROWS(tokens.scale, rows)
-    along = quantize(x, act, dim=0, offsets=offsets, rows=rows) if along_tokens else None
+    along = quantize(x, act, dim=0, offsets=offsets, rows=rows, tail=False) if along_tokens else None
     return QuantizedTensor(data, scale, act, 1), along
 
 
@@ -172,7 +174,7 @@ class Fp8GroupedMM(torch.autograd.Function):
         if rows is not None:
             xq, xt = _gathered_activation(x, act, offsets, rows, wants_wgrad)
         else:
-            xq = quantize(x, act, dim=1) if xq_data is None else None
+            xq = quantize(x, act, dim=1, offsets=offsets, tail=False) if xq_data is None else None
             xt = None
         if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
@@ -182,7 +184,7 @@ class Fp8GroupedMM(torch.autograd.Function):
             # Saved as FP8 along the tokens (half the bytes of x), quantized after the product is done with
             # x's copy along K, so the two never coexist. Two calls outran one launch writing both copies
             # from one read of x (v23).
-            xt = quantize(x, act, dim=0, offsets=offsets)
+            xt = quantize(x, act, dim=0, offsets=offsets, tail=False)
         ctx.slots, ctx.tokens = slots, x.shape[0]
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
@@ -201,14 +203,14 @@ class Fp8GroupedMM(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = quantize(dy, act, dim=1)
+            dyq = quantize(dy, act, dim=1, offsets=offsets, tail=False)
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
             if ctx.slots is not None:
                 dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
             del dyq
         if ctx.wants_wgrad:
-            dyt = quantize(dy, act, dim=0, offsets=offsets)
+            dyt = quantize(dy, act, dim=0, offsets=offsets, tail=False)
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             if ctx.main_grad is not None:
                 quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)

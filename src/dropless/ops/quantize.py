@@ -63,23 +63,25 @@ def _operand_shape(x: torch.Tensor, rows: torch.Tensor | None) -> tuple[int, ...
 
 
 def _quantize(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
-              mx_rounding: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              mx_rounding: str, rows: torch.Tensor | None = None, tail: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of x (or ``x[rows]``) quantized along dim (non-negative) with the recipe named
-    ``recipe``."""
+    ``recipe``; per group along dim 0 with offsets, else offsets only bound the rows (``tail=False``)."""
     r = _recipe_of(recipe, pow2, mx_rounding)
+    groups = offsets if dim == 0 else None
     if not use_triton(x.device):
-        return reference.quantize(x if rows is None else x.index_select(0, rows), r, dim, offsets)
-    data, scale = empty_quantized(_operand_shape(x, rows), r, dim, None if offsets is None else offsets.shape[0],
-                                  x.device)
-    quantize_along(x, data, scale, r, dim, offsets, rows)
+        return reference.quantize(x if rows is None else x.index_select(0, rows), r, dim, groups)
+    data, scale = _quantize_fake(x, recipe, dim, offsets, pow2, mx_rounding, rows, tail)
+    quantize_along(x, data, scale, r, dim, groups, rows, None if tail else offsets[-1:])
     return data, scale
 
 
 def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
-                   mx_rounding: str, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   mx_rounding: str, rows: torch.Tensor | None = None, tail: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     r = _recipe_of(recipe, pow2, mx_rounding)
-    return empty_quantized(_operand_shape(x, rows), r, dim, None if offsets is None else offsets.shape[0],
-                           x.device)
+    groups = None if offsets is None or dim != 0 else offsets.shape[0]
+    return empty_quantized(_operand_shape(x, rows), r, dim, groups, x.device)
 
 
 def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
@@ -175,8 +177,8 @@ def _group_offsets(offsets: torch.Tensor, M: int, r: Recipe) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
-             pow2: bool | None = None, mx_rounding: str | None = None, rows: torch.Tensor | None = None
-             ) -> QuantizedTensor:
+             pow2: bool | None = None, mx_rounding: str | None = None, rows: torch.Tensor | None = None,
+             tail: bool = True) -> QuantizedTensor:
     """Quantize ``x`` to FP8 along ``dim``: ``x ~= data * scale``, one scale per block of the recipe.
 
     Args:
@@ -193,6 +195,10 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         rows: with ``offsets``, int32/int64 ``[M']`` on x's device, each in ``[0, M)`` (not checked: that
             would sync): quantize ``x[rows]`` (``[M', K]``) without making it, each row read by index, as
             the weight gradient of a layer reads its permuted token copies from the tokens.
+        tail: ``False`` leaves the rows past ``offsets[-1]`` unwritten (their data and scales hold
+            whatever the memory held), for a product that reads no row outside its groups, as the grouped
+            GEMMs do: the rows of a buffer sized for the most a rank can receive cost nothing. Needs
+            offsets, which along dim 1 of a 2D x then bound the rows only (the layout stays unchanged).
     Returns:
         A ``QuantizedTensor``: data float8_e4m3fn of x's shape (``x[rows]``'s) with unit stride along
         dim (dim 0 of a 2D x: a transposed view of ``[K, M]`` storage; with offsets ``[Mp, K]``, a view
@@ -217,14 +223,17 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
                              f"{tuple(rows.shape)}")
         check_same_device(x.device, rows=rows)
     M = x.shape[0] if rows is None else rows.shape[0]
+    if not tail and offsets is None:
+        raise ValueError("tail=False needs offsets: the rows past offsets[-1] are the ones left unwritten")
     if offsets is not None:
         _check_offsets(offsets, x.device)
-        if x.dim() != 2 or dim != 0:
-            raise ValueError(f"offsets need a 2D x quantized along dim 0 (the tokens), got x of shape "
-                             f"{tuple(x.shape)} and dim {dim}")
+        if x.dim() != 2 or dim != 0 and (tail or rows is not None):
+            raise ValueError(f"offsets need a 2D x quantized along dim 0 (the tokens), or along dim 1 with "
+                             f"tail=False, got x of shape {tuple(x.shape)} and dim {dim}")
         offsets = _group_offsets(offsets, M, r)
-    data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding, rows)
-    return QuantizedTensor(data, scale, r, dim, offsets, None if offsets is None else M)
+    data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding, rows, tail)
+    groups = offsets if dim == 0 else None
+    return QuantizedTensor(data, scale, r, dim, groups, None if groups is None else M)
 
 
 def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, *, pow2: bool | None = None,
