@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host", action="store_true",
                         help="also the host's side: the ops by their own CPU time, and each host sync's place")
+    parser.add_argument("--isolated", action="store_true",
+                        help="also profile steps that each start from an idle GPU, after a barrier and a sync, as the "
+                             "benchmark times them")
     parser.add_argument("--quick", action="store_true", help="the tiny config (a check that it runs, e.g. on CPUs)")
     args = parser.parse_args()
     with process_group() as ranks:
@@ -48,25 +51,40 @@ def main() -> None:
                 torch.distributed.barrier()
                 if args.host and cuda:
                     _host_side(step, rank, method, recipe, args.top)
-                with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        step()
-                    sync()
-                    wall = (time.perf_counter() - start) / 3e-3
-                if rank == 0:
-                    spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-                    events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
-                    total = sum(spent(e) for e in events) / 3e3
-                    print(f"\n== {method} {recipe}: {wall:.2f} ms per step (wall), {total:.2f} ms in "
-                          f"{'kernels' if cuda else 'ops'}")
-                    for e in events[:args.top]:
-                        print(f"{spent(e) / 3e3:8.3f} ms {e.count // 3:5d}x  {e.key[:110]}")
+                for isolated in (False, True) if args.isolated else (False,):
+                    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                        wall, begin = 0.0, time.perf_counter()
+                        for _ in range(3):
+                            if isolated:
+                                sync()
+                                torch.distributed.barrier()
+                                sync()
+                                start = time.perf_counter()
+                                step()
+                                sync()
+                                wall += time.perf_counter() - start
+                            else:
+                                step()
+                        sync()
+                        if not isolated:
+                            wall = time.perf_counter() - begin
+                    if rank == 0:
+                        _print_kernels(prof, cuda, f"{method} {recipe}{', isolated steps' if isolated else ''}",
+                                       wall / 3e-3, args.top)
                 ep_layer.release_caches(layer)
                 del layer, step
                 if cuda:
                     torch.cuda.empty_cache()
                 torch.distributed.barrier()
+
+
+def _print_kernels(prof, cuda: bool, label: str, wall_ms: float, top: int) -> None:
+    spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted((e for e in prof.key_averages() if spent(e) > 0), key=lambda e: -spent(e))
+    total = sum(spent(e) for e in events) / 3e3
+    print(f"\n== {label}: {wall_ms:.2f} ms per step (wall), {total:.2f} ms in {'kernels' if cuda else 'ops'}")
+    for e in events[:top]:
+        print(f"{spent(e) / 3e3:8.3f} ms {e.count // 3:5d}x  {e.key[:110]}")
 
 
 def _host_side(step, rank: int, method: str, recipe: str, top: int) -> None:

@@ -145,10 +145,10 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 @triton.jit
 def _transposed_bytes(q):
     """The FP8 tile ``q`` transposed, as its bytes (uint8), for a store through a uint8 view of the data.
-    A transposed float8 tile stored next to the untransposed one picks up foreign bytes on sm_90 with
-    the ptxas that Triton 3.6 ships (triton-lang/triton#11111; NaN bytes in fp32 weights' data along K
-    here); the same transpose of uint8 is exact."""
-    return tl.trans(q.to(tl.uint8, bitcast=True))
+    The bytes travel through the transpose widened to 32 bits: a transposed 8-bit tile picks up foreign
+    bytes on sm_90 with the ptxas that Triton 3.6 ships (triton-lang/triton#11111; NaN bytes in fp32
+    weights' data along K here, as float8 and as uint8 alike)."""
+    return tl.trans(q.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
 
 
 @triton.jit
