@@ -143,15 +143,6 @@ def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _transposed_bytes(q):
-    """The FP8 tile ``q`` transposed, as its bytes (uint8), for a store through a uint8 view of the data.
-    The bytes travel through the transpose widened to 32 bits: a transposed 8-bit tile picks up foreign
-    bytes on sm_90 with the ptxas that Triton 3.6 ships (triton-lang/triton#11111; NaN bytes in fp32
-    weights' data along K here, as float8 and as uint8 alike)."""
-    return tl.trans(q.to(tl.uint8, bitcast=True).to(tl.int32)).to(tl.uint8)
-
-
-@triton.jit
 def _slot_table_kernel(offsets_ptr, table, R, E, SLOTS, DATA_ROWS_R,
                        BLOCK_R: tl.constexpr, E_POW2: tl.constexpr, SLOT_BLOCK: tl.constexpr):
     """``_tile_kernel``'s per-group slots, looked up once a slot rather than by each of its column tiles'
@@ -192,8 +183,8 @@ def _tile_kernel(
 
     BLOCK: elements per scale (0: rowwise, scales from ``amax_r [G, C]`` / ``amax_c [BATCH, R]``, G the
     groups or BATCH).
-    data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise), as
-    uint8 (the FP8 bytes); data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
+    data_r: storage ``[BATCH, C, DATA_ROWS_R]`` (``[C, Mp]`` per group, ``[BATCH, C, R]`` otherwise);
+    data_c: ``[BATCH, R, C]``. scale_r: ``[BATCH, SCALE_ROWS_R, C]`` (``[G, C]`` rowwise); scale_c:
     ``[BATCH, R, cdiv(C, BLOCK)]`` (``[BATCH, R]`` rowwise). WIDE: offsets inside the tile are 64-bit.
     GATHER: row i of the quantized operand is row ``rows_ptr[i]`` of x (R rows, read by index).
     slot_table: with GROUPED, ``_slot_table_kernel``'s table of the slots. BOUNDED: rows from
@@ -302,7 +293,7 @@ def _tile_kernel(
                 scale_tile = scale_r + (batch64 * SCALE_ROWS_R + first_row) * C + col64
                 tl.store(scale_tile + b[:, None] * C + c[None, :], scale.to(scale_r.dtype.element_ty),
                          mask=(b < rows_end - first_row)[:, None] & col_ok[None, :])
-            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], _transposed_bytes(q), mask=out_mask)
+            tl.store(data_r_tile + c[:, None] * DATA_ROWS_R + r[None, :], tl.trans(q), mask=out_mask)
         if ALONG_C:
             if BLOCK == 0:
                 amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
@@ -328,7 +319,7 @@ def _tile128_kernel(
     WIDE: tl.constexpr, CHUNK_R: tl.constexpr,
 ):
     """One scale per 128x128 tile of ``x [BATCH, R, C]`` (block128x128): ``scale [BATCH, cdiv(R, 128),
-    cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``, as uint8) and/or along C into ``data_c``
+    cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``) and/or along C into ``data_c``
     (``[BATCH, R, C]``). A program walks its tile twice in ``CHUNK_R x 128`` chunks, the amax first and
     then the values (the second read from L2), so it holds a chunk at a time and several programs share
     a multiprocessor."""
@@ -357,13 +348,16 @@ def _tile128_kernel(
         row_ok = r < R - row0 - r0
         mask = row_ok[:, None] & col_ok[None, :]
         v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
-        q = _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8)
+        v = v.to(tl.float32)
         if ALONG_C:
             data_c_rows = data_c + (batch64 * R + row0 + r0) * C + col0
-            tl.store(data_c_rows + r[:, None] * C + c[None, :], q, mask=mask)
+            tl.store(data_c_rows + r[:, None] * C + c[None, :], _to_fp8(v, s, False, EMULATE_FP8), mask=mask)
         if ALONG_R:
+            # Transposed in fp32 and cast after: the cast FP8 tile, transposed beside its untransposed
+            # store, came out with foreign bytes on sm_90 (Triton 3.6's ptxas; triton-lang/triton#11111),
+            # fp32 weights' data along K holding NaN bytes.
             data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
-            tl.store(data_r_cols + c[:, None] * R + r[None, :], _transposed_bytes(q),
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], _to_fp8(tl.trans(v), s, False, EMULATE_FP8),
                      mask=col_ok[:, None] & row_ok[None, :])
 
 
@@ -459,7 +453,7 @@ def _launch_tile128(x: torch.Tensor, scale: torch.Tensor, data_r: torch.Tensor |
         return
     chunk_r, num_warps = _tile128_shape()
     _tile128_kernel[(BATCH * cdiv(R, 128), cdiv(C, 128))](
-        x, x if data_r is None else data_r.view(torch.uint8), x if data_c is None else data_c, scale, R, C,
+        x, x if data_r is None else data_r, x if data_c is None else data_c, scale, R, C,
         x.stride(0), x.stride(1), x.stride(2),
         ALONG_R=data_r is not None, ALONG_C=data_c is not None, POW2=recipe.pow2, EMULATE_FP8=interpreting(),
         WIDE=_wide(*(256 * n for n in (*x.shape, *x.stride()))), CHUNK_R=chunk_r, num_warps=num_warps,
@@ -514,7 +508,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             BLOCK_R=block_r, E_POW2=next_power_of_2(E + 1), SLOT_BLOCK=_SLOT_BLOCK, num_warps=4)
     for amax_pass in (True, False) if rowwise else (False,):
         _tile_kernel[grid](
-            x, x if data_r is None else data_r.view(torch.uint8), x if scale_r is None else _raw(scale_r),
+            x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
             x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
             slot_table, x if rows is None else rows, x if bound is None else bound,
             R, C, E, slots, scale_rows_r, data_rows_r,
