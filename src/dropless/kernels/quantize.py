@@ -348,17 +348,13 @@ def _tile128_kernel(
         row_ok = r < R - row0 - r0
         mask = row_ok[:, None] & col_ok[None, :]
         v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
-        v = v.to(tl.float32)
+        q = _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8)
         if ALONG_C:
             data_c_rows = data_c + (batch64 * R + row0 + r0) * C + col0
-            tl.store(data_c_rows + r[:, None] * C + c[None, :], _to_fp8(v, s, False, EMULATE_FP8), mask=mask)
+            tl.store(data_c_rows + r[:, None] * C + c[None, :], q, mask=mask)
         if ALONG_R:
-            # Transposed in fp32 and cast after: the cast FP8 tile, transposed beside its untransposed
-            # store, came out with foreign bytes on sm_90 (Triton 3.6's ptxas; triton-lang/triton#11111),
-            # fp32 weights' data along K holding NaN bytes.
             data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
-            tl.store(data_r_cols + c[:, None] * R + r[None, :], _to_fp8(tl.trans(v), s, False, EMULATE_FP8),
-                     mask=col_ok[:, None] & row_ok[None, :])
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], tl.trans(q), mask=col_ok[:, None] & row_ok[None, :])
 
 
 @triton.jit
