@@ -471,11 +471,11 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
                   scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> None:
     """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
-    ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe
-    (``_tile128_kernel``) writes its one scale tensor through ``scale_r``. Rowwise runs twice (amax, then quantize) over zeroed int32
-    amax buffers it allocates. ``rows`` (int ``[R']``): the operand is ``x[:, rows]``, read by index
-    (R' rows; along R per group only). ``bound`` (int ``[1]``): rows from ``bound[0]`` on are not written;
-    per group, the tail past the last group writes nothing."""
+    ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe runs
+    ``_tile128_kernel`` instead, writing its one scale tensor through ``scale_r``. Rowwise runs twice
+    (amax, then quantize) over zeroed int32 amax buffers it allocates. ``rows`` (int ``[R']``): the
+    operand is ``x[:, rows]``, read by index (R' rows; along R per group only). ``bound`` (int ``[1]``):
+    rows from ``bound[0]`` on are not written; per group, the tail past the last group writes nothing."""
     if recipe.tile:
         _launch_tile128(x, scale_r, data_r, data_c, recipe)
         return
