@@ -82,7 +82,11 @@ def reference_q(x: torch.Tensor, name: str, opts: dict, dim: int, offsets=None) 
 
 @pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("dim", [0, 1, -1])
-@pytest.mark.parametrize("shape, dtype", [((200, 136), torch.float32), ((45, 290), torch.bfloat16)])
+@pytest.mark.parametrize("shape, dtype", [
+    ((200, 136), torch.float32),
+    ((45, 290), torch.bfloat16),
+    ((128, 96), torch.float32),  # multiples of 16, which Triton specializes, in fp32 (v26)
+])
 def test_2d_matches_reference(backend, name, opts, dim, shape, dtype):
     _, device = backend
     x = planted(shape, dtype, device)
@@ -114,15 +118,16 @@ def test_2d_any_strides(triton_backend):
 
 
 @pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
-@pytest.mark.parametrize("sizes, M", [
-    ([0, 70, 0, 80, 50], 200),  # empty groups, sizes not divisible by 32 or 128
-    ([190], 200),  # one giant group, 10 rows past offsets[-1]
-    ([0, 0, 0], 37),  # no rows in any group: all data 0, every scale 1
-    ([33, 1, 130, 31, 5], 200),  # starts at every phase of the blocks
+@pytest.mark.parametrize("sizes, M, K", [
+    ([0, 70, 0, 80, 50], 200, 72),  # empty groups, sizes not divisible by 32 or 128
+    ([190], 200, 72),  # one giant group, 10 rows past offsets[-1]
+    ([0, 0, 0], 37, 72),  # no rows in any group: all data 0, every scale 1
+    ([33, 1, 130, 31, 5], 200, 72),  # starts at every phase of the blocks
+    ([0, 64, 32, 160], 256, 96),  # multiples of 16, which Triton specializes
 ])
-def test_grouped_matches_reference(backend, name, opts, sizes, M):
+def test_grouped_matches_reference(backend, name, opts, sizes, M, K):
     _, device = backend
-    x = planted((M, 72), torch.float32, device)
+    x = planted((M, K), torch.float32, device)
     offsets = offsets_of(sizes, device, torch.int64 if len(sizes) == 1 else torch.int32)
     q = dropless.quantize(x, name, 0, offsets, **opts)
     assert q.offsets.dtype == torch.int32 and q.offsets.tolist() == offsets.tolist()

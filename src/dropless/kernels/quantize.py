@@ -322,7 +322,7 @@ def _tile128_kernel(
     cdiv(C, 128)]``, data along R into ``data_r`` (storage ``[BATCH, C, R]``) and/or along C into ``data_c``
     (``[BATCH, R, C]``). A program walks its tile twice in ``CHUNK_R x 128`` chunks, the amax first and
     then the values (the second read from L2), so it holds a chunk at a time and several programs share
-    a multiprocessor."""
+    a multiprocessor. Writing both orientations, it reads each chunk of values twice, once each way."""
     tiles_r = tl.cdiv(R, 128)
     batch = tl.program_id(0) // tiles_r
     tile_r = tl.program_id(0) - batch * tiles_r
@@ -346,15 +346,21 @@ def _tile128_kernel(
              mask=(row0 < R) & (col0 < C))
     for r0 in tl.static_range(0, 128, CHUNK_R):
         row_ok = r < R - row0 - r0
-        mask = row_ok[:, None] & col_ok[None, :]
-        v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
-        q = _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8)
         if ALONG_C:
+            mask = row_ok[:, None] & col_ok[None, :]
+            v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
             data_c_rows = data_c + (batch64 * R + row0 + r0) * C + col0
-            tl.store(data_c_rows + r[:, None] * C + c[None, :], q, mask=mask)
+            tl.store(data_c_rows + r[:, None] * C + c[None, :], _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8),
+                     mask=mask)
         if ALONG_R:
+            # The chunk read again as [128, CHUNK_R] rather than an fp8 tl.trans of the values above: from
+            # fp32 inputs of sizes that are multiples of 16, Triton 3.6's bundled ptxas (12.8) compiled
+            # that transpose into wrong bytes (a quarter of the columns; CUDA 13's ptxas did not).
+            mask_t = col_ok[:, None] & row_ok[None, :]
+            v_t = tl.load(x_tile + c[:, None] * stride_xc + (r0 + r)[None, :] * stride_xr, mask=mask_t, other=0.0)
             data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
-            tl.store(data_r_cols + c[:, None] * R + r[None, :], tl.trans(q), mask=col_ok[:, None] & row_ok[None, :])
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], _to_fp8(v_t.to(tl.float32), s, False, EMULATE_FP8),
+                     mask=mask_t)
 
 
 @triton.jit
