@@ -1,49 +1,44 @@
-"""The open block128 failure on GPUs (benchmarks/NOTES.md, v25): where the non-finite outputs are and
-which operand carries NaN bytes, for the problem of
-``tests/test_fp8_ops.py::test_forward_and_backward_match_the_dequantized_product[triton-zeros-block128]``
-(E = 5, K = 96, N = 64, NaN rows past the groups), in fp32 and bf16.
+"""The block128x128 weight quantizer against the reference, bit for bit, with poisoned outputs: for each
+shape, input dtype and layout, the bytes left unwritten and the bytes written wrong, along K and along N
+(benchmarks/NOTES.md, v26: from fp32 weights whose sizes are multiples of 16, Triton 3.6's bundled ptxas
+12.8 compiled an fp8 transpose into wrong bytes; set ``TRITON_PTXAS_PATH`` to compare another ptxas).
 
-    PYTHONPATH=src python benchmarks/probe_block128_nan.py [TRIALS]
+    PYTHONPATH=src python benchmarks/probe_block128_nan.py
 """
 
-from __future__ import annotations
-
-import sys
-
 import torch
+from dropless import reference
+from dropless.quantized import RECIPES
+import dropless.kernels.quantize as kq
 
-import dropless
-from dropless.ops.grouped_mm_fp8 import resolve_recipe
-from dropless.quantized import operand_recipes
-
-
-def nan_bytes(data: torch.Tensor) -> int:
-    """The NaN encodings (0x7F, 0xFF) among float8_e4m3fn ``data``'s bytes."""
-    return int(((data.view(torch.uint8) & 0x7F) == 0x7F).sum())
-
-
-def main() -> None:
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    sizes, M, K, N = [0, 37, 0, 90, 5], 143, 96, 64
-    routed = sum(sizes)
-    act, weights = operand_recipes(resolve_recipe("block128"))
-    offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-    for trial in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(M, K, device=device, dtype=dtype)
-            w = torch.randn(len(sizes), K, N, device=device, dtype=dtype) * K ** -0.5
-            x[routed:] = float("nan")
-            y = dropless.grouped_mm(x, w, offsets, recipe="block128")
-            bad = (~torch.isfinite(y)).nonzero()
-            xq = dropless.quantize(x[:routed], act, dim=1)
-            wk, wn = dropless.quantize_weight(w, weights)
-            print(f"trial {trial} {dtype}: y non-finite {bad.shape[0]} (rows {sorted(set(bad[:, 0].tolist()))[:4]}, "
-                  f"cols {sorted(set(bad[:, 1].tolist()))[:6]}); NaN bytes: x {nan_bytes(xq.data)}, w along K "
-                  f"{nan_bytes(wk.data)} (per expert {[nan_bytes(d) for d in wk.data]}), "
-                  f"w along N {nan_bytes(wn.data)}; non-finite scales: x {int((~xq.scale.isfinite()).sum())}, "
-                  f"w {int((~wk.scale.isfinite()).sum())}")
-
-
-if __name__ == "__main__":
-    main()
+recipe = RECIPES["block128x128"]
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+torch.manual_seed(0)
+POISON = 0x7F
+total_bad = 0
+for (E, K, N) in [(5, 96, 64), (5, 96, 128), (2, 256, 256), (1, 128, 128), (3, 100, 72), (4, 160, 96), (2, 64, 32), (2, 32, 96), (3, 224, 48)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        for layout in ("kn", "nk"):
+            stats = []
+            for trial in range(3):
+                w = torch.randn(E, K, N, device=dev, dtype=dtype) if layout == "kn" else torch.randn(E, N, K, device=dev, dtype=dtype).transpose(1, 2)
+                data_k = torch.full((E, N, K), POISON, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn).transpose(1, 2)
+                data_n = torch.full((E, K, N), POISON, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+                scale = torch.full((E, (K + 127) // 128, (N + 127) // 128), float("nan"), device=dev)
+                kq.quantize_weight_3d(w, data_k, data_n, scale, scale, recipe)
+                torch.cuda.synchronize() if dev.type == "cuda" else None
+                rk, rs = reference.quantize(w.cpu(), recipe, 1)
+                rn, _ = reference.quantize(w.cpu(), recipe, 2)
+                gk = data_k.cpu().view(torch.uint8); gn = data_n.cpu().view(torch.uint8)
+                rk8 = rk.view(torch.uint8); rn8 = rn.view(torch.uint8)
+                unk = (gk != rk8) & (gk == POISON); wrk = (gk != rk8) & (gk != POISON)
+                unn = (gn != rn8) & (gn == POISON); wrn = (gn != rn8) & (gn != POISON)
+                sbad = int((scale.cpu() != rs).sum())
+                stats.append((int(unk.sum()), int(wrk.sum()), int(unn.sum()), int(wrn.sum()), sbad))
+                if (unk | wrk).any() and trial == 0:
+                    idx = (unk | wrk).nonzero()
+                    print(f"   K-bad positions e {sorted(set(idx[:,0].tolist()))} k {sorted(set(idx[:,1].tolist()))[:40]} n {sorted(set(idx[:,2].tolist()))[:40]}")
+            bad = sum(sum(s) for s in stats)
+            total_bad += bad
+            print(f"E{E} K{K} N{N} {str(dtype)[6:]} {layout}: (unwritten K, wrong K, unwritten N, wrong N, scales) per trial {stats}" + ("  <-- BAD" if bad else ""))
+print("TOTAL BAD", total_bad)
