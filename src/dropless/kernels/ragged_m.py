@@ -1,7 +1,7 @@
 """Ragged-M grouped GEMM (forward and input gradient).
 
     c[s_e:t_e, :] = a[s_e:t_e, :] @ b[e]          for every group e, with s_e = offsets[e-1], t_e = offsets[e]
-    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert)
+    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert; left alone with tail=False)
 
 a: [M, K] row-major; b: [E, K, N] with either N contiguous ("KN", the ``[E, K, N]`` layout) or K
 contiguous ("NK", a transposed view of ``nn.Linear``-layout weights ``[E, N, K]``); c: [M, N].
@@ -31,7 +31,7 @@ def _ragged_m_kernel(
     NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     B_NK: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
     starts, ends, tiles, tiles_end = tile_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2)
     # The groups' tiles; the unrouted tail (entry E) gets its zeros after them (zero_tail).
@@ -74,15 +74,17 @@ def _ragged_m_kernel(
             # A tile that ends past its group's last row: mask the rows of the next group.
             c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-    zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
+    if ZERO_TAIL:
+        zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
 def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                config: GemmConfig, info: LaunchInfo) -> None:
+                config: GemmConfig, info: LaunchInfo, tail: bool = True) -> None:
     """Launch the ragged-M kernel writing ``c [M, N]``; arguments are already checked by the caller.
 
     a: ``[M, K]``; b: ``[E, K, N]`` with ``b.stride(2) == 1`` or ``b.stride(1) == 1`` (any other
-    layout takes the pointer path); offsets: int32 ``[E]`` on a's device; c: ``[M, N]``.
+    layout takes the pointer path); offsets: int32 ``[E]`` on a's device; c: ``[M, N]``. tail: write
+    zeros over the rows past ``offsets[-1]`` (False: leave them as they are).
     """
     M, K = a.shape
     E, _, N = b.shape
@@ -106,6 +108,6 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
         NUM_PROGRAMS=num_programs, E_POW2=e_pow2,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_NK=b_nk, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
-        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store,
+        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store, ZERO_TAIL=tail,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,7 +1,7 @@
 """Ragged-M grouped GEMM on FP8 operands (forward and input gradient).
 
     c[s_e:t_e, :] = (a * sa)[s_e:t_e, :] @ (b[e] * sb[e])   for every group e, s_e = offsets[e-1], t_e = offsets[e]
-    c[offsets[E-1]:M, :] = 0                                 (rows that belong to no expert)
+    c[offsets[E-1]:M, :] = 0                                 (no expert's rows; left alone with tail=False)
 
 a: float8_e4m3fn [M, K] with K contiguous; b: float8_e4m3fn [E, K, N] with K contiguous (a view of
 ``[E, N, K]`` storage). Both operands are then K-major, the layout Hopper's FP8 tensor cores read; they
@@ -47,7 +47,7 @@ def _ragged_m_fp8_kernel(
     NUM_PROGRAMS: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, TMA_STORE: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
     starts, ends, tiles, tiles_end = tile_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2)
     # The groups' tiles; the unrouted tail (entry E) gets its zeros after them (zero_tail).
@@ -97,7 +97,8 @@ def _ragged_m_fp8_kernel(
             # A tile that ends past its group's last row: mask the rows of the next group.
             c_ptrs = c + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-    zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
+    if ZERO_TAIL:
+        zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def scale_map(a: torch.Tensor, a_scale: torch.Tensor, a_block: tuple[int | None,
 
 def ragged_m_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     scales: ScaleMap, offsets: torch.Tensor, c: torch.Tensor, config: GemmConfig,
-                    info: LaunchInfo, fast_accum: bool = False) -> None:
+                    info: LaunchInfo, fast_accum: bool = False, tail: bool = True) -> None:
     """Launch the FP8 ragged-M kernel writing ``c [M, N]``; nothing syncs with the host.
 
     a: float8_e4m3fn ``[M, K]``; b: float8_e4m3fn ``[E, K, N]`` (TMA needs ``a.stride(1) == 1`` and
@@ -167,7 +168,8 @@ def ragged_m_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     (from ``scale_map``) says; offsets: int32 ``[E]`` on a's device; c: ``[M, N]``. Where the scales
     change along K, BLOCK_K is cut to the promotion step. fast_accum: with scales applied in the
     epilogue, let Hopper's tensor cores accumulate the whole reduction in their reduced-precision
-    FP8 accumulation; otherwise every BLOCK_K step is promoted into fp32.
+    FP8 accumulation; otherwise every BLOCK_K step is promoted into fp32. tail: write zeros over the
+    rows past ``offsets[-1]`` (False: leave them as they are).
     """
     M, K = a.shape
     E, _, N = b.shape
@@ -195,6 +197,6 @@ def ragged_m_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         NUM_PROGRAMS=num_programs, E_POW2=next_power_of_2(E + 1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         USE_TMA=use_tma, UPCAST=info.upcast,
-        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store,
+        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store, ZERO_TAIL=tail,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

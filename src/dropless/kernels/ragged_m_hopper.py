@@ -1,7 +1,7 @@
 """Ragged-M grouped GEMM (forward and input gradient) for Hopper, warp-specialized, in Gluon.
 
     c[s_e:t_e, :] = a[s_e:t_e, :] @ b[e]          for every group e, with s_e = offsets[e-1], t_e = offsets[e]
-    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert)
+    c[offsets[E-1]:M, :] = 0                       (rows that belong to no expert; left alone with tail=False)
 
 Same contract as ``ragged_m.py`` for 16-bit operands that TMA can read: a ``[M, K]`` row-major, b
 ``[E, K, N]`` with N or K contiguous, c ``[M, N]`` row-major, all of one dtype. Or FP8 (e4m3) a and b,
@@ -62,6 +62,16 @@ def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
+def _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """The tiles the programs share: every group's and, with ZERO_TAIL, the unrouted tail's (its zeros)."""
+    if ZERO_TAIL:
+        total = gl.sum(tiles, axis=0)
+    else:
+        total = _pick(tiles_end, E - 1, gl.BlockedLayout([1], [32], [WARPS], [0]), E_POW2)
+    return total
+
+
+@gluon.jit
 def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
     """Tile number -> (group, first row, group end, first column)."""
@@ -77,10 +87,10 @@ def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr):
+            STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, ZERO_TAIL: gl.constexpr):
     """TMA loads of the K blocks of every tile of this program, into the stage ring."""
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, LOADER_WARPS)
-    total_tiles = gl.sum(tiles, axis=0)
+    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, LOADER_WARPS)
     step = 0
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
@@ -130,7 +140,7 @@ def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_buf
              offsets_ptr, M, N, K, E,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, EPI_HALVES: gl.constexpr,
-             SCALED: gl.constexpr, INSTR_K: gl.constexpr, num_warps: gl.constexpr):
+             SCALED: gl.constexpr, INSTR_K: gl.constexpr, ZERO_TAIL: gl.constexpr, num_warps: gl.constexpr):
     """The default partition: the MMAs of each tile, then its epilogue.
 
     With EPI_HALVES, ``c_smem`` holds half a tile: a whole tile leaves in two halves of columns, the
@@ -141,7 +151,7 @@ def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_buf
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, INSTR_K])
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
-    total_tiles = gl.sum(tiles, axis=0)
+    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, num_warps)
     step = 0
     held = False  # the previous tile's last stage is still being read by its store
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
@@ -218,7 +228,7 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
                             B_NK: gl.constexpr, EPI_HALVES: gl.constexpr, SCALED: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            ZERO_TAIL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     # One wgmma multiplies 32 bytes of K per row: 16 elements of 16 bits, 32 of FP8.
     INSTR_K: gl.constexpr = 256 // dtype.primitive_bitwidth
@@ -231,9 +241,9 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb
     gl.warp_specialize([
         (_compute, (c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
                     offsets_ptr, M, N, K, E, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES,
-                    SCALED, INSTR_K, num_warps)),
+                    SCALED, INSTR_K, ZERO_TAIL, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
-                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK)),
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, ZERO_TAIL)),
     ], [LOADER_WARPS], [40])
 
 
@@ -258,12 +268,13 @@ def output_in_halves(config: GemmConfig, element_size: int, out_element_size: in
 
 def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                        config: GemmConfig, num_programs: int,
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None, tail: bool = True) -> None:
     """Launch on ``a [M, K]``, ``b [E, K, N]``, int32 ``offsets [E]``, ``c [M, N]``, which
     ``launch.hopper_kernels_ok`` accepts (b as stored: along N, or along K for an nn.Linear view).
 
     FP8 operands (b with K contiguous) take ``scales = (sa, sb)``: fp32 ``sa`` with one scale per row of a
     (``M`` contiguous values) and ``sb [E, N]`` with unit stride along N, applied in the epilogue.
+    tail: write zeros over the rows past ``offsets[-1]`` (False: leave them as they are).
     """
     M, K = a.shape
     E, _, N = b.shape
@@ -279,4 +290,4 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
             sa_ptr=sa, sb_ptr=sb, stride_sbe=sb.stride(0) if scales is not None else 0,
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1),
-            B_NK=b_nk, EPI_HALVES=halves, SCALED=scales is not None, num_warps=config.num_warps)
+            B_NK=b_nk, EPI_HALVES=halves, SCALED=scales is not None, ZERO_TAIL=tail, num_warps=config.num_warps)

@@ -244,9 +244,10 @@ FP8_TUNERS = (_RAGGED_M_FP8, _RAGGED_M_FP8_FAST, _RAGGED_M_FP8_STEP128, _RAGGED_
 
 
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
-                 tma: bool | None = None, config: GemmConfig | None = None) -> None:
+                 tma: bool | None = None, config: GemmConfig | None = None, tail: bool = True) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
-    with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
+    with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds); ``tail=False`` leaves c's rows
+    past ``offsets[-1]`` as they are instead of zeroing them."""
     info = launch_info(a.device, tma)
     hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
     tuner = _RAGGED_M_HOPPER if hopper else _RAGGED_M
@@ -257,9 +258,9 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
         if config.gluon:
             # Imported on first use: the Gluon kernels need Triton 3.6 (hopper_kernels_ok checks).
             from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
-            ragged_m_mm_hopper(a, b, offsets, out, config, info.num_programs)
+            ragged_m_mm_hopper(a, b, offsets, out, config, info.num_programs, tail=tail)
         else:
-            ragged_m_mm(a, b, offsets, out, config, info)
+            ragged_m_mm(a, b, offsets, out, config, info, tail)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
     # An fp32 c of 16-bit operands (out_dtype) needs the small tiles' shared memory too: the epilogue
@@ -298,9 +299,9 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
 def run_ragged_m_fp8(a: torch.Tensor, a_scale: torch.Tensor, a_block: tuple[int | None, int | None],
                      b: torch.Tensor, b_scale: torch.Tensor, b_block: tuple[int | None, int | None],
                      offsets: torch.Tensor, c: torch.Tensor, fast_accum: bool = False, tma: bool | None = None,
-                     config: GemmConfig | None = None) -> None:
-    """``c[s_e:t_e] = (a * sa)[s_e:t_e] @ (b[e] * sb[e])``, zero past ``offsets[-1]``, with the tuned config
-    of its class or with ``config``; nothing syncs with the host.
+                     config: GemmConfig | None = None, tail: bool = True) -> None:
+    """``c[s_e:t_e] = (a * sa)[s_e:t_e] @ (b[e] * sb[e])``, zero past ``offsets[-1]`` (left as it is with
+    ``tail=False``), with the tuned config of its class or with ``config``; nothing syncs with the host.
 
     a: float8_e4m3fn ``[M, K]`` (K contiguous for TMA); b: float8_e4m3fn ``[E, K, N]`` (K contiguous, a
     view of ``[E, N, K]`` storage, for TMA); c: ``[M, N]`` bf16, fp16 or fp32; offsets: int32 ``[E]``.
@@ -321,7 +322,7 @@ def run_ragged_m_fp8(a: torch.Tensor, a_scale: torch.Tensor, a_block: tuple[int 
                         b.shape[0], M=a.shape[0])
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
-        ragged_m_fp8_mm(a, a_scale, b, b_scale, scales, offsets, out, config, info, fast_accum)
+        ragged_m_fp8_mm(a, a_scale, b, b_scale, scales, offsets, out, config, info, fast_accum, tail)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
     config = config or tuner.choose(key, a.device, a.element_size(), flops, lambda cfg: run(cfg, torch.empty_like(c)))

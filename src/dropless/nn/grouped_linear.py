@@ -21,12 +21,13 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
     """``y = grouped x @ weight[e]^T`` whose weight gradient is added into ``main_grad`` in place."""
 
     @staticmethod
-    def forward(ctx, x, weight, offsets, main_grad, accumulate):
+    def forward(ctx, x, weight, offsets, main_grad, accumulate, tail):
         ctx.save_for_backward(x, weight, offsets, accumulate)
         # Not saved for backward: it is written in place by every backward that shares it, which
         # would trip the saved-tensor version check of the others.
         ctx.main_grad = main_grad
-        return grouped_mm(x, weight.transpose(1, 2), offsets)
+        ctx.tail = tail
+        return grouped_mm(x, weight.transpose(1, 2), offsets, tail=tail)
 
     @staticmethod
     def backward(ctx, dy):
@@ -36,10 +37,10 @@ class _FusedWgradGroupedLinear(torch.autograd.Function):
         # dx, and x dropped first: a recomputed x (the MoE layer's recompute_permute) and dx never coexist.
         grouped_mm_wgrad(dy, x, offsets, out=main_grad, accumulate=accumulate)
         del x
-        dx = grouped_mm(dy, weight, offsets) if ctx.needs_input_grad[0] else None
+        dx = grouped_mm(dy, weight, offsets, tail=ctx.tail) if ctx.needs_input_grad[0] else None
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 class QuantizedWeightCache:
@@ -147,7 +148,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor,
                 wgrad_accumulation_mask: torch.Tensor | None = None,
                 x_quantized: QuantizedTensor | None = None,
-                gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                gather: tuple[torch.Tensor, int] | None = None, tail: bool = True) -> torch.Tensor:
         """Apply expert e to its rows.
 
         Args:
@@ -171,6 +172,9 @@ class GroupedLinear(nn.Module):
                 that is never made: x is quantized along in_features once and its FP8 rows gathered,
                 the weight gradient reads the rows by index, and x's gradient sums each token's copies
                 (in fp32, as permute's backward). ``group_sizes`` count the M rows.
+            tail: False leaves the output's rows past the groups unwritten (they hold anything), and
+                x's gradient's too (``dropless.grouped_mm``'s ``tail``): for rows no one reads, such as
+                the unused rows of an expert-parallel receive buffer.
         Returns:
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
@@ -189,13 +193,13 @@ class GroupedLinear(nn.Module):
         if x_quantized is not None:
             self._check_x_quantized(x_quantized, x)
         if self.recipe is not None:
-            y = self._forward_fp8(x, offsets, accumulate if fused else None, x_quantized, gather)
+            y = self._forward_fp8(x, offsets, accumulate if fused else None, x_quantized, gather, tail)
         else:
             x, weight = autocast_operands(x, self.weight)
             if fused:
-                y = _FusedWgradGroupedLinear.apply(x, weight, offsets, self.weight.main_grad, accumulate)
+                y = _FusedWgradGroupedLinear.apply(x, weight, offsets, self.weight.main_grad, accumulate, tail)
             else:
-                y = grouped_mm(x, weight.transpose(1, 2), offsets)
+                y = grouped_mm(x, weight.transpose(1, 2), offsets, tail=tail)
         if self.bias is not None:
             y = add_group_bias(y, self.bias, offsets)
         return y
@@ -217,7 +221,8 @@ class GroupedLinear(nn.Module):
                              f"so a copy quantized from x as given would differ; pass x in {cast.dtype}")
 
     def _forward_fp8(self, x: torch.Tensor, offsets: torch.Tensor, accumulate: torch.Tensor | None,
-                     x_quantized: QuantizedTensor | None, gather: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+                     x_quantized: QuantizedTensor | None, gather: tuple[torch.Tensor, int] | None,
+                     tail: bool) -> torch.Tensor:
         """The FP8 product with the cached weight copies; x quantized from the autocast dtype, unless
         its copy ``x_quantized`` (already checked) is given; ``gather`` (checked): x's rows by slot."""
         (x,) = autocast_operands(x)
@@ -225,7 +230,7 @@ class GroupedLinear(nn.Module):
         main_grad = self.weight.main_grad.transpose(1, 2) if accumulate is not None else None
         xq = (x_quantized.data, x_quantized.scale) if x_quantized is not None else (None, None)
         y = Fp8GroupedMM.apply(x, self.weight.transpose(1, 2), offsets, wk.data, wk.scale, wn.data, wn.scale,
-                               self.recipe, main_grad, accumulate, *xq, *(gather or (None, None)))
+                               self.recipe, main_grad, accumulate, *xq, *(gather or (None, None)), tail)
         if accumulate is not None and hasattr(self.weight, "grad_added_to_main_grad"):
             self.weight.grad_added_to_main_grad = True
         return y

@@ -219,8 +219,10 @@ class MoE(nn.Module):
         """The gated experts on ``rows`` sorted by (local) expert: ``[R, d_model] -> [R, d_model]``;
         ``rows_fp8``: the rows already quantized for the gate/up product's forward; ``gather``: rows are
         the tokens and the product's rows their copies by slot (``GroupedLinear``'s gather);
-        ``received``: int ``[1]``, the rows that hold copies (the others are not computed)."""
-        h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8, gather=gather)
+        ``received``: int ``[1]``, the rows that hold copies (the others are not computed: the products
+        leave their rows past the groups unwritten, as nothing reads them)."""
+        tail = received is None
+        h = self.experts_gate_up(rows, group_sizes, x_quantized=rows_fp8, gather=gather, tail=tail)
         activation = ACTIVATIONS[self.activation]
         # h is read by nothing else in the backward (the recomputation of a, where asked for, comes first,
         # in the down projection's backward): the activation's backward writes dh over it, one [R, 2 d_ff]
@@ -228,13 +230,13 @@ class MoE(nn.Module):
         if self.experts_down.recipe is None:
             a = activation(h, grad_in_place=True, rows=received)
             if not self.recompute_activation:
-                return self.experts_down(a, group_sizes)
+                return self.experts_down(a, group_sizes, tail=tail)
             with recomputed(a, lambda: activation(h, rows=received)):
-                return self.experts_down(a, group_sizes)
+                return self.experts_down(a, group_sizes, tail=tail)
         # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
         # forward reads instead of quantizing the activation again.
         a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True, rows=received)
-        return self.experts_down(a, group_sizes, x_quantized=a_fp8)
+        return self.experts_down(a, group_sizes, x_quantized=a_fp8, tail=tail)
 
     def expert_parallel(self, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
                         max_tokens: int | None = None) -> MoE:

@@ -31,19 +31,20 @@ def gluon_rowwise_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) ->
 
 
 def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.Tensor, c: torch.Tensor,
-                        config: GemmConfig | None = None) -> None:
+                        config: GemmConfig | None = None, tail: bool = True) -> None:
     """``c = ragged-M product`` of ``a [M, K]`` quantized along K and ``b [E, K, N]`` quantized along K
-    (its data K-contiguous), into ``c [M, N]``; no host sync."""
+    (its data K-contiguous), into ``c [M, N]``, its rows past ``offsets[-1]`` zeroed (left alone with
+    ``tail=False``); no host sync."""
     if (config is None or config.gluon) and gluon_rowwise_ok(a, b, c):
         from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
 
         # The kernel reads a row's scales and an expert's column scales at unit stride.
         scales = (a.scale.reshape(-1).contiguous(), b.scale.reshape(b.shape[0], -1).contiguous())
         ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, launch_info(c.device).num_programs,
-                           scales)
+                           scales, tail)
         return
     run_ragged_m_fp8(a.data, _raw(a.scale), _A_BLOCKS[a.recipe.name], b.data, _raw(b.scale), _B_BLOCKS[b.recipe.name],
-                     offsets, c, fast_accum=a.recipe.name == "rowwise", config=config)
+                     offsets, c, fast_accum=a.recipe.name == "rowwise", config=config, tail=tail)
 
 
 def launch_ragged_k_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.Tensor, c: torch.Tensor,

@@ -40,12 +40,14 @@ from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from dropless.ops.direct import DirectOp
 
 
-def _launch_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``out [M, N]`` (any strides) with the ragged-M product of ``a [M, K]`` and ``b [G, K, N]``."""
+def _launch_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                     tail: bool = True) -> None:
+    """Write ``out [M, N]`` (any strides) with the ragged-M product of ``a [M, K]`` and ``b [G, K, N]``
+    (``tail=False``: the rows past ``offsets[-1]`` may be left unwritten)."""
     if a.shape[1] == 0:
         out.zero_()
     elif out.numel() > 0:
-        run_ragged_m(a, b, offsets, out)
+        run_ragged_m(a, b, offsets, out, tail=tail)
 
 
 def launch_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
@@ -65,13 +67,14 @@ def launch_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out
 
 
 def _ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, tail: bool = True) -> torch.Tensor:
     """2d/3d: ``a [M, K]``, ``b [G, K, N]`` (any strides), offsets int32 ``[G]`` -> ``[M, N]`` in
-    ``out_dtype`` (default a's)."""
+    ``out_dtype`` (default a's); ``tail=False``: the rows past ``offsets[-1]`` hold anything (the
+    reference backend still writes them as zeros)."""
     if not use_triton(a.device):
         return reference.grouped_mm(a, b, offsets, out_dtype)
     out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device)
-    _launch_ragged_m(a, b, offsets, out)
+    _launch_ragged_m(a, b, offsets, out, tail)
     return out
 
 
@@ -98,7 +101,7 @@ def _ragged_n(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
 
 
 def _ragged_m_fake(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, tail: bool = True) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype)
 
 
@@ -115,6 +118,8 @@ def _ragged_n_fake(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
 def _setup_context(ctx, inputs, output) -> None:
     a, b, offsets = inputs[:3]
     ctx.save_for_backward(a, b, offsets)
+    ctx.num_inputs = len(inputs)
+    ctx.tail = inputs[4] if len(inputs) > 4 else True
 
 
 def _ragged_m_backward(ctx, dy: torch.Tensor):
@@ -130,8 +135,9 @@ def _ragged_m_backward(ctx, dy: torch.Tensor):
     # da after db, a dropped first: where a was saved as the recipe that makes it again (the MoE layer's
     # recompute_permute), a and da, of one size, are never alive together.
     del a
-    da = RAGGED_M(dy, b.transpose(1, 2), offsets, None) if ctx.needs_input_grad[0] else None
-    return da, db, None, None
+    # With tail=False the gradient's rows past offsets[-1] are left unwritten too: the caller reads none.
+    da = RAGGED_M(dy, b.transpose(1, 2), offsets, None, ctx.tail) if ctx.needs_input_grad[0] else None
+    return (da, db) + (None,) * (ctx.num_inputs - 2)
 
 
 def _ragged_k_backward(ctx, dy: torch.Tensor):

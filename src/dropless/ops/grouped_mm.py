@@ -103,7 +103,7 @@ def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTen
                offsets: torch.Tensor | None = None, *, group_sizes: torch.Tensor | None = None,
                offs: torch.Tensor | None = None, recipe: str | Recipe | None = None,
                w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, tail: bool = True) -> torch.Tensor:
     """Grouped GEMM in the four forms of ``torch._grouped_mm``, a drop-in for it.
 
     With ``s_g = offsets[g-1]`` (0 for g = 0) and ``t_g = offsets[g]``:
@@ -134,6 +134,9 @@ def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTen
             product only, bf16 out, recipe taken from them if not given.
         w_quantized: with a recipe, ``dropless.quantize_weight(w, recipe)``'s pair, kept by the caller
             while w is unchanged, so the weight is not quantized again on every call.
+        tail: ragged M only. False leaves y's rows past ``offsets[-1]`` unwritten (they hold anything),
+            and x's gradient's too: for a caller that reads none of them, such as the experts of a
+            worst-case-sized receive buffer, which would otherwise spend a write of zeros over them.
     Returns:
         y, a new contiguous tensor, differentiable in x and w (the rows, columns or stretch of K past
         ``offsets[-1]`` get zero gradients). Under ``torch.autocast`` x and w are first cast to its
@@ -158,13 +161,14 @@ def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTen
         _check_fp8_operands(x, "w", w, 3)
         offsets = resolve_offsets(offsets, group_sizes, w.shape[0], x.device)
         validate_offsets(offsets, x.shape[0])
-        return fp8_grouped_mm(x, w, offsets, recipe, w_quantized)
+        return fp8_grouped_mm(x, w, offsets, recipe, w_quantized, tail=_check_tail(tail, True))
     if w_quantized is not None:
         raise ValueError("w_quantized needs recipe= (it is the FP8 copy of w)")
     x, w = autocast_operands(x, w)
     dtypes = _check_operands(x, (2, 3), "w", w, (2, 3))
     if out_dtype is not None and out_dtype not in dtypes:
         raise TypeError(f"out_dtype must be one of {[str(d) for d in dtypes]} (or None: x's dtype), got {out_dtype!r}")
+    _check_tail(tail, x.dim() == 2 and w.dim() == 3)
     if x.dim() == 3 and w.dim() == 3:
         _check_batched(x, w, **{offsets_name: offsets, "group_sizes": group_sizes})
         return batched_mm(x, w, out_dtype)
@@ -173,8 +177,19 @@ def grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTen
         G = _groups(offsets, group_sizes)
     offsets = resolve_offsets(offsets, group_sizes, G, x.device)
     validate_offsets(offsets, size, dim)
-    op = RAGGED_M if w.dim() == 3 else RAGGED_K if x.dim() == 2 else RAGGED_N
-    return op(x, w, offsets, out_dtype)
+    if w.dim() == 3:
+        return RAGGED_M(x, w, offsets, out_dtype, tail)
+    return (RAGGED_K if x.dim() == 2 else RAGGED_N)(x, w, offsets, out_dtype)
+
+
+def _check_tail(tail: object, ragged_m: bool) -> bool:
+    """``tail`` is a bool, and False only for the ragged-M form."""
+    if not isinstance(tail, bool):
+        raise TypeError(f"tail must be a bool, got {type(tail).__name__}")
+    if not tail and not ragged_m:
+        raise ValueError("tail=False is for the ragged-M form only (x [M, K], w [E, K, N]): the other forms have "
+                         "no rows past the groups")
+    return tail
 
 
 def grouped_mm_wgrad(x: torch.Tensor | QuantizedTensor, dy: torch.Tensor | QuantizedTensor,

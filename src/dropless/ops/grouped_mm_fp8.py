@@ -53,7 +53,9 @@ def _operands(a_data, a_scale, b_data, b_scale, recipe: str, offsets, token_dim:
 
 
 def _ragged_m(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-              offsets: torch.Tensor, recipe: str, out_dtype: torch.dtype) -> torch.Tensor:
+              offsets: torch.Tensor, recipe: str, out_dtype: torch.dtype, tail: bool = True) -> torch.Tensor:
+    """The product's ``[M, N]`` rows; ``tail=False``: the rows past ``offsets[-1]`` hold anything (the
+    reference backend still writes them as zeros)."""
     a, b = _operands(a_data, a_scale, b_data, b_scale, recipe, offsets, token_dim=False)
     if not use_triton(a_data.device):
         return reference.grouped_mm(a.dequantize(torch.float32), b.dequantize(torch.float32), offsets).to(out_dtype)
@@ -61,11 +63,11 @@ def _ragged_m(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor,
     if a_data.shape[1] == 0:
         y.zero_()
     elif y.numel() > 0:
-        launch_ragged_m_fp8(a, b, offsets, y)
+        launch_ragged_m_fp8(a, b, offsets, y, tail=tail)
     return y
 
 
-def _ragged_m_fake(a_data, a_scale, b_data, b_scale, offsets, recipe, out_dtype):
+def _ragged_m_fake(a_data, a_scale, b_data, b_scale, offsets, recipe, out_dtype, tail=True):
     return a_data.new_empty(a_data.shape[0], b_data.shape[2], dtype=out_dtype)
 
 
@@ -107,9 +109,9 @@ RAGGED_K_INTO = DirectOp.define("fp8_ragged_k_into", _ragged_k_into, _ragged_k_i
 
 
 def quantized_mm(xq: QuantizedTensor, wq: QuantizedTensor, offsets: torch.Tensor, recipe: Recipe,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, tail: bool = True) -> torch.Tensor:
     """Forward product of operands already quantized (x along K, w ``[E, K, N]`` along K); no autograd."""
-    return RAGGED_M(xq.data, xq.scale, wq.data, wq.scale, offsets, recipe.name, out_dtype)
+    return RAGGED_M(xq.data, xq.scale, wq.data, wq.scale, offsets, recipe.name, out_dtype, tail)
 
 
 def quantized_wgrad(xq: QuantizedTensor, dyq: QuantizedTensor, offsets: torch.Tensor, recipe: Recipe,
@@ -163,11 +165,14 @@ class Fp8GroupedMM(torch.autograd.Function):
     tokens and row p of the product is token ``slots[p] // top_k`` (permute's rows, never made): x is
     quantized along K once, its FP8 rows and scales gathered, and quantized along the tokens reading
     the rows by index; x's gradient sums each token's copies in fp32 (``sum_copies``).
+
+    ``tail=False``: y's rows past ``offsets[-1]``, and x's gradient's, are left unwritten (a caller that
+    reads none of them, such as a worst-case-sized receive buffer).
     """
 
     @staticmethod
     def forward(ctx, x, w, offsets, wk_data, wk_scale, wn_data, wn_scale, recipe, main_grad, accumulate,
-                xq_data=None, xq_scale=None, slots=None, top_k=None):
+                xq_data=None, xq_scale=None, slots=None, top_k=None, tail=True):
         act, _ = operand_recipes(recipe)
         wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
         rows = None if slots is None else slots // top_k
@@ -178,14 +183,14 @@ class Fp8GroupedMM(torch.autograd.Function):
             xt = None
         if xq is not None:
             xq_data, xq_scale = xq.data, xq.scale
-        y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype)
+        y = RAGGED_M(xq_data, xq_scale, wk_data, wk_scale, offsets, recipe.name, x.dtype, tail)
         del xq, xq_data, xq_scale
         if wants_wgrad and xt is None:
             # Saved as FP8 along the tokens (half the bytes of x), quantized after the product is done with
             # x's copy along K, so the two never coexist. Two calls outran one launch writing both copies
             # from one read of x (v23).
             xt = quantize(x, act, dim=0, offsets=offsets, tail=False)
-        ctx.slots, ctx.tokens = slots, x.shape[0]
+        ctx.slots, ctx.tokens, ctx.tail = slots, x.shape[0], tail
         ctx.recipe = recipe
         ctx.wants_wgrad = wants_wgrad
         ctx.main_grad = main_grad
@@ -205,7 +210,7 @@ class Fp8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq = quantize(dy, act, dim=1, offsets=offsets, tail=False)
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
-            dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype)
+            dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype, ctx.tail)
             if ctx.slots is not None:
                 dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
             del dyq
@@ -217,7 +222,7 @@ class Fp8GroupedMM(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 dw = quantized_wgrad(xt, dyt, offsets, recipe, None, None, False, ctx.w_dtype, ctx.w_nk)
                 dw = dw.transpose(1, 2) if ctx.w_nk else dw
-        return dx, dw, *([None] * 12)
+        return dx, dw, *([None] * 13)
 
 
 def _fp8_capable(device: torch.device) -> None:
@@ -267,13 +272,15 @@ def check_quantized_operand(name: str, q: QuantizedTensor, recipe: Recipe, expec
 
 def fp8_grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | QuantizedTensor, offsets: torch.Tensor,
                    recipe: Recipe, w_quantized: tuple[QuantizedTensor, QuantizedTensor] | None = None,
-                   main_grad: torch.Tensor | None = None, accumulate: torch.Tensor | None = None) -> torch.Tensor:
+                   main_grad: torch.Tensor | None = None, accumulate: torch.Tensor | None = None,
+                   tail: bool = True) -> torch.Tensor:
     """``grouped_mm`` in FP8 (``offsets`` already resolved and checked against M).
 
     x: ``[M, K]`` bf16/fp16/fp32, or a QuantizedTensor along K; w: ``[E, K, N]`` (any strides), or a
     QuantizedTensor along K. Plain tensors are differentiable (x, and w or ``main_grad``); with a
     quantized operand the call is a forward product only. ``w_quantized``: ``quantize_weight(w)``'s
-    pair, reused instead of quantizing w again.
+    pair, reused instead of quantizing w again. ``tail=False``: rows past ``offsets[-1]`` of y (and of x's
+    gradient) are left unwritten.
     """
     act, weights = operand_recipes(recipe)
     _fp8_capable(x.device)
@@ -290,14 +297,15 @@ def fp8_grouped_mm(x: torch.Tensor | QuantizedTensor, w: torch.Tensor | Quantize
             wk = w_quantized[0] if w_quantized is not None else quantize_weight(w.detach(), weights)[0]
         if wk.shape[1] != x.shape[1]:
             raise ValueError(f"w must have shape [E, K={x.shape[1]}, N] to match x [M, K], got {tuple(wk.shape)}")
-        return quantized_mm(x, wk, offsets, recipe, out_dtype)
+        return quantized_mm(x, wk, offsets, recipe, out_dtype, tail)
     if w_quantized is None:
         # Quantization is not differentiated through: the product's backward gives w its gradient.
         w_quantized = quantize_weight(w.detach(), weights)
     else:
         check_weight_pair(w_quantized, w, recipe, weights)
     wk, wn = w_quantized
-    return Fp8GroupedMM.apply(x, w, offsets, wk.data, wk.scale, wn.data, wn.scale, recipe, main_grad, accumulate)
+    return Fp8GroupedMM.apply(x, w, offsets, wk.data, wk.scale, wn.data, wn.scale, recipe, main_grad, accumulate,
+                              None, None, None, None, tail)
 
 
 def check_weight_pair(pair: object, w: torch.Tensor, recipe: Recipe, weights: Recipe) -> None:
