@@ -289,6 +289,12 @@ def test_launchers_write_every_element(case, dtype):
         unpermute_rows(src, inv, offsets, k, y, w)
         ref = oracle_unpermute(src, order, n_valid, w if w is not None else torch.ones(T, k))
         assert_close(y, ref, dtype, "weighted sum" if w is not None else "sum")
+    # Bounded: the first rows written as before, the rest left as they were.
+    for rows in {0, T // 2, T}:
+        y = poisoned((T, d), dtype, device)
+        unpermute_rows(src, inv, offsets, k, y, weights, bound=torch.tensor([rows], dtype=torch.int32, device=device))
+        assert_close(y[:rows], oracle_unpermute(src, order, n_valid, weights)[:rows], dtype, f"bound {rows}")
+        assert y[rows:].isnan().all(), f"bound {rows}: rows past it written"
 
 
 def test_launcher_without_interpreter_names_the_fix(monkeypatch):

@@ -71,14 +71,20 @@ def _permute_kernel(
 
 @triton.jit
 def _unpermute_kernel(
-    src, inv_ptr, offsets_ptr, out, w_ptr,
+    src, inv_ptr, offsets_ptr, out, w_ptr, bound_ptr,
     T, D, top_k, E,
     stride_src_m, stride_src_d, stride_out_t, stride_out_d, stride_w_t, stride_w_j,
-    WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    WEIGHTED: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    written = T
+    if BOUNDED:
+        # Token rows from bound_ptr[0] on are not written: their programs stop before any work.
+        written = tl.minimum(T, tl.load(bound_ptr).to(tl.int32))
+        if tl.program_id(0) * BLOCK_T >= written:
+            return
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    token_ok = tokens < T
+    token_ok = tokens < written
     col_ok = cols < D
     tokens64 = tokens.to(tl.int64)
     num_valid = tl.load(offsets_ptr + E - 1)
@@ -133,13 +139,14 @@ def permute_rows(src: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets:
 
 
 def unpermute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: torch.Tensor, top_k: int,
-                   out: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+                   out: torch.Tensor, weights: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> None:
     """Write ``out [T, D]`` (token rows) as the weighted sum of each token's ``top_k`` sorted rows of
     ``src [M, D]``; arguments already checked.
 
     slot_to_sorted: int32/int64 ``[M]``, the sorted row of each slot ``t*top_k + j``; rows at or past
     ``offsets[E-1]`` (read on the device) count as zero. weights: optional ``[T, top_k]`` (1 if
-    absent). Accumulates in fp32 in slot order. No host sync.
+    absent). bound: optional int ``[1]`` on the device: only out's first ``bound[0]`` rows are written,
+    the others left as they are. Accumulates in fp32 in slot order. No host sync.
     """
     launch_info(src.device)
     T, D = out.shape
@@ -148,8 +155,9 @@ def unpermute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: tor
     block_t, block_d = _blocks(T, D)
     w_arg = weights if weights is not None else src
     _unpermute_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
-        src, slot_to_sorted, offsets, out, w_arg,
+        src, slot_to_sorted, offsets, out, w_arg, offsets if bound is None else bound,
         T, D, top_k, offsets.shape[0],
         src.stride(0), src.stride(1), out.stride(0), out.stride(1), w_arg.stride(0), w_arg.stride(1),
-        WEIGHTED=weights is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_NUM_WARPS,
+        WEIGHTED=weights is not None, BOUNDED=bound is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=_NUM_WARPS,
     )

@@ -331,7 +331,8 @@ def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weighted: bool =
         valid = handle.inverse < handle.rows
         weights = torch.where(valid, handle.row_weight[handle.inverse.long().clamp(max=handle.rows - 1)],
                               0.0).float().view(U, k)
-    unpermute_rows(rows, handle.inverse, handle.received, k, partial, weights)
+    # Only the staged rows are pushed back: the rest of partial (a worst-case size) is never written.
+    unpermute_rows(rows, handle.inverse, handle.received, k, partial, weights, bound=handle.staged)
     words = as_words(partial)
     space = handle.space(copy_bytes=words.shape[1] * words.element_size())
     ws = space.workspace
