@@ -1,6 +1,8 @@
 """block128 (1x128 activations, 128x128 weight tiles) forward at DeepGEMM's contiguous-layout shapes,
-operands already quantized, on an H100: the Triton FP8 ragged-M kernel's candidates, against BF16 and
-the rowwise Gluon kernel on the same shapes.
+operands already quantized, on an H100: the warp-specialized Gluon block128 kernel (two warpgroups on
+the halves of each tile) in a few launch variants, against the Triton FP8 ragged-M kernel's block128
+candidates (best of them), BF16, and the rowwise Gluon kernel with its 128x256 tiles and with 128x128.
+Each kernel's output is checked against the Triton kernel's first.
 
     PYTHONPATH=src python benchmarks/probe_block128_deepgemm.py
 """
@@ -16,12 +18,18 @@ from triton.testing import do_bench
 
 import dropless
 from dropless.kernels import tuning
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.launch import launch_info
+from dropless.kernels.ragged_m_block128_hopper import ragged_m_block128_hopper
+from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
 from dropless.ops.fp8_launch import launch_ragged_m_fp8
 from dropless.quantized import get_recipe
 
 DEV = torch.device("cuda")
 # (groups, rows per group, N, K) as DeepGEMM's README lists its contiguous-layout grouped GEMMs.
 SHAPES = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
+# Gluon block128 variants: (stages, group_m, compute registers).
+VARIANTS = [(5, 8, 232), (4, 8, 232), (6, 8, 232), (5, 16, 232), (5, 8, 200)]
 
 
 def ms(fn) -> float:
@@ -29,8 +37,10 @@ def ms(fn) -> float:
 
 
 def main() -> None:
-    configs = tuning._RAGGED_M_FP8_STEP128.candidates
-    print("| groups x rows, N, K | bf16 | rowwise (Gluon) | " + " | ".join(f"block128 {c}" for c in configs) + " |")
+    programs = launch_info(DEV).num_programs
+    heads = ["bf16", "rowwise 128x256", "rowwise 128x128", "block128 Triton (best)"]
+    heads += [f"block128 Gluon s{s}/g{g}/r{r}" for s, g, r in VARIANTS]
+    print("| groups x rows, N, K | " + " | ".join(heads) + " | max rel diff |")
     for E, rows, N, K in SHAPES:
         M = E * rows
         offsets = torch.full((E,), rows, device=DEV).cumsum(0).to(torch.int32)
@@ -39,16 +49,34 @@ def main() -> None:
         y = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
         flops = 2 * M * N * K
         cells = [flops / ms(lambda: dropless.grouped_mm(x, w, offsets)) / 1e9]
-        for name in ("rowwise", "block128"):
-            recipe = get_recipe(name)
-            xq = dropless.quantize(x, recipe, dim=1)
-            wk, _ = dropless.quantize_weight(w, recipe)
-            if name == "rowwise":
-                cells.append(flops / ms(lambda: launch_ragged_m_fp8(xq, wk, offsets, y)) / 1e9)
-                continue
-            for config in configs:
-                cells.append(flops / ms(lambda: launch_ragged_m_fp8(xq, wk, offsets, y, config)) / 1e9)
-        print(f"| {E}x{rows}, {N}, {K} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+        xr = dropless.quantize(x, get_recipe("rowwise"), dim=1)
+        wr, _ = dropless.quantize_weight(w, get_recipe("rowwise"))
+        scales = (xr.scale.reshape(-1).contiguous(), wr.scale.reshape(E, -1).contiguous())
+        for config in (GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True),
+                       GemmConfig(128, 128, 128, num_warps=8, num_stages=5, gluon=True)):
+            cells.append(flops / ms(lambda: ragged_m_mm_hopper(xr.data, wr.data, offsets, y, config, programs,
+                                                               scales)) / 1e9)
+        recipe = get_recipe("block128")
+        xq = dropless.quantize(x, recipe, dim=1)
+        wq, _ = dropless.quantize_weight(w, recipe)
+        triton_times = [ms(lambda: launch_ragged_m_fp8(xq, wq, offsets, y, config))
+                        for config in tuning._RAGGED_M_FP8_STEP128.candidates]
+        cells.append(flops / min(triton_times) / 1e9)
+        launch_ragged_m_fp8(xq, wq, offsets, y, tuning._RAGGED_M_FP8_STEP128.candidates[0])
+        want = y.float().clone()
+        diff = 0.0
+        for stages, group_m, regs in VARIANTS:
+            config = GemmConfig(128, 128, 128, group_m=group_m, num_warps=4, num_stages=stages, gluon=True)
+
+            def gluon() -> None:
+                ragged_m_block128_hopper(xq.data, xq.scale, wq.data, wq.scale, offsets, y, programs, config,
+                                         compute_regs=regs)
+
+            y.fill_(float("nan"))
+            gluon()
+            diff = max(diff, ((y.float() - want).norm() / want.norm()).item())
+            cells.append(flops / ms(gluon) / 1e9)
+        print(f"| {E}x{rows}, {N}, {K} | " + " | ".join(f"{c:.0f}" for c in cells) + f" | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

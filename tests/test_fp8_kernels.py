@@ -578,3 +578,31 @@ def test_ragged_m_fp8_block128_into_fp32_gpu(config):
                              scale_map(a, a_scale, a_block, b, b_scale, b_block), offsets_of(sizes, DEVICE), y,
                              config, launch.launch_info(DEVICE), False)
     _check_rows(y, ref, sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and launch.hopper_gluon_device(torch.device(DEVICE))),
+                    reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("scale_view", [False, True], ids=["scales", "scale_view"])
+@pytest.mark.parametrize("shape", ["e8", "e16_odd", "aligned", "giant_group", "m1", "e1_tail"])
+def test_ragged_m_block128_hopper_gpu(shape, scale_view):
+    """The warp-specialized block128 kernel (two warpgroups on the halves of each tile), with and without
+    the tail's zeros; weight scales as stored and as the transposed view the input gradient reads."""
+    from dropless.kernels.ragged_m_block128_hopper import ragged_m_block128_hopper
+
+    if shape in GPU_SHAPES:
+        M, K, N, E = GPU_SHAPES[shape]
+        sizes = random_group_sizes(E, M - 37)
+    else:
+        M, K, N, sizes, _ = SHAPES_M[shape]
+    a, a_scale, _, b, b_scale, _, ref = _ragged_m_operands(M, K, N, sizes, "block128", scale_view)
+    for tail in (True, False):
+        y = poisoned((M, N), torch.bfloat16, DEVICE)
+        ragged_m_block128_hopper(a, a_scale, b, b_scale, offsets_of(sizes, DEVICE), y,
+                                 launch.launch_info(torch.device(DEVICE)).num_programs, tail=tail)
+        if tail:
+            _check_rows(y, ref, sizes)
+        else:
+            end = sum(sizes)
+            _check_rows(y[:end], ref[:end], sizes)
+            assert bool(y[end:].isnan().all()), "y: rows past offsets[-1] written with tail=False"

@@ -116,25 +116,30 @@ def test_tail_errors_name_the_argument(triton_backend):
                     reason="the Gluon kernels need a Hopper GPU")
 @pytest.mark.parametrize("case", ["aligned", "all_tail"])
 def test_gluon_kernels_leave_the_tail(case):
-    """The warp-specialized Hopper kernels, bf16 and rowwise FP8, asked for by their configs."""
+    """The warp-specialized Hopper kernels: bf16 and rowwise FP8 asked for by their configs, block128 FP8
+    by default."""
     from dropless.kernels.config import GemmConfig
-    from dropless.ops.fp8_launch import GLUON_FP8, gluon_rowwise_ok
+    from dropless.ops.fp8_launch import GLUON_FP8, gluon_ok
 
     M, K, N, sizes = CASES[case]
     end = sum(sizes)
     device = torch.device("cuda")
     x, w = make_x(M, K, torch.bfloat16, device), make_w(len(sizes), K, N, torch.bfloat16, device)
     offsets = offsets_of(sizes, device)
-    act, weights = operand_recipes(get_recipe("rowwise"))
-    xq, wq = dropless.quantize(x, act, 1), dropless.quantize_weight(w, weights)[0]
+    quantized = {}
+    for name in ("rowwise", "block128"):
+        act, weights = operand_recipes(get_recipe(name))
+        quantized[name] = dropless.quantize(x, act, 1), dropless.quantize_weight(w, weights)[0]
     gluon = GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True)
     for tail in (True, False):
         c = poisoned((M, N), torch.bfloat16, device)
         run_ragged_m(x, w, offsets, c, config=gluon, tail=tail)
         assert_rows_close(c[:end], oracle_grouped_mm(x, w, sizes)[:end], sizes, torch.bfloat16, f"bf16 tail={tail}")
         assert (c[end:] == 0).all() if tail else c[end:].isnan().all(), f"bf16 tail={tail}: rows past the groups"
-        c8 = poisoned((M, N), torch.bfloat16, device)
-        assert gluon_rowwise_ok(xq, wq, c8)
-        launch_ragged_m_fp8(xq, wq, offsets, c8, config=GLUON_FP8, tail=tail)
-        assert (c8[end:] == 0).all() if tail else c8[end:].isnan().all(), f"fp8 tail={tail}: rows past the groups"
-        assert torch.isfinite(c8[:end]).all()
+        for name, config in (("rowwise", GLUON_FP8), ("block128", None)):
+            xq, wq = quantized[name]
+            c8 = poisoned((M, N), torch.bfloat16, device)
+            assert gluon_ok(xq, wq, c8, name)
+            launch_ragged_m_fp8(xq, wq, offsets, c8, config=config, tail=tail)
+            assert (c8[end:] == 0).all() if tail else c8[end:].isnan().all(), f"{name} tail={tail}: rows past the groups"
+            assert torch.isfinite(c8[:end]).all()

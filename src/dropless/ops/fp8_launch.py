@@ -22,10 +22,10 @@ _B_BLOCKS = {"rowwise": (None, 1), "block128x128": (128, 128), "mxfp8": (32, 1)}
 GLUON_FP8 = GemmConfig(128, 256, 128, num_warps=8, num_stages=3, gluon=True)
 
 
-def gluon_rowwise_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor) -> bool:
-    """The Hopper Gluon kernel takes a rowwise product: sm_90, TMA-readable a and K-major b, and
-    16-bit c."""
-    return (a.recipe.name == "rowwise" and hopper_gluon_device(a.device) and c.dtype in (torch.bfloat16, torch.float16)
+def gluon_ok(a: QuantizedTensor, b: QuantizedTensor, c: torch.Tensor, recipe: str) -> bool:
+    """A Hopper Gluon kernel takes the product: a of ``recipe``, an sm_90 GPU, TMA-readable a and K-major b,
+    and 16-bit c."""
+    return (a.recipe.name == recipe and hopper_gluon_device(a.device) and c.dtype in (torch.bfloat16, torch.float16)
             and weight_nk(b.data) and LaunchInfo.tma_ok(a.data) and LaunchInfo.tma_ok(b.data.transpose(1, 2))
             and LaunchInfo.tma_ok(c) and a.data.numel() > 0)
 
@@ -35,7 +35,13 @@ def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
     """``c = ragged-M product`` of ``a [M, K]`` quantized along K and ``b [E, K, N]`` quantized along K
     (its data K-contiguous), into ``c [M, N]``, its rows past ``offsets[-1]`` zeroed (left alone with
     ``tail=False``); no host sync."""
-    if (config is None or config.gluon) and gluon_rowwise_ok(a, b, c):
+    if config is None and b.recipe.name == "block128x128" and gluon_ok(a, b, c, "block128"):
+        from dropless.kernels.ragged_m_block128_hopper import ragged_m_block128_hopper
+
+        ragged_m_block128_hopper(a.data, a.scale, b.data, b.scale, offsets, c, launch_info(c.device).num_programs,
+                                 tail=tail)
+        return
+    if (config is None or config.gluon) and gluon_ok(a, b, c, "rowwise"):
         from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
 
         # The kernel reads a row's scales and an expert's column scales at unit stride.
