@@ -117,8 +117,8 @@ def _ragged_m_block128_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, 
 
 
 _LAUNCH = DirectLaunch(_ragged_m_block128_kernel)
-# 128x128 tiles (one weight scale per tile and step), 128-deep steps, five stages.
-BLOCK128_CONFIG = GemmConfig(128, 128, 128, num_warps=4, num_stages=5, gluon=True)
+# 128x128 tiles (one weight scale per tile and step), 128-deep steps, four stages.
+BLOCK128_CONFIG = GemmConfig(128, 128, 128, num_warps=4, num_stages=4, gluon=True)
 
 
 def ragged_m_block128_hopper(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
