@@ -43,11 +43,10 @@ HALF_M: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
-def _step_scale(sa_rows, sb_tile, live, block, present, stride_sak, stride_sbk):
-    """Per row, the scale of one 128-deep step: ``sa[row, block] * sb[group, block, col0 // 128]``; 0 for rows
-    past the group, and for every row if the step is not ``present``."""
-    sb = gl.load(sb_tile + block * stride_sbk, mask=present, other=0.0)
-    return gl.load(sa_rows + block * stride_sak, mask=live & present, other=0.0) * sb
+def _step_scale(sa_rows, sb_tile, live, block, stride_sak, stride_sbk):
+    """Per row, the scale of one 128-deep step: ``sa[row, block] * sb[group, block, col0 // 128]`` (0 for rows
+    past the group). Loaded before the step's MMA is waited for, so their latency hides behind it."""
+    return gl.load(sa_rows + block * stride_sak, mask=live, other=0.0) * gl.load(sb_tile + block * stride_sbk)
 
 
 @gluon.jit
@@ -78,19 +77,15 @@ def _half(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, stri
         # Each step's product starts from zero in the registers of the last one, already added: no
         # copy of the accumulator into the MMA's registers.
         part = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        # Each step's scales are loaded a step ahead: their latency hides behind a whole step's MMAs.
-        scale = _step_scale(sa_rows, sb_tile, live, 0, k_end > 0, stride_sak, stride_sbk)
         for k0 in range(0, k_end, BLOCK_K):
             slot = step % STAGES
-            following = _step_scale(sa_rows, sb_tile, live, k0 // 128 + 1, k0 + BLOCK_K < k_end, stride_sak,
-                                    stride_sbk)
+            scale = _step_scale(sa_rows, sb_tile, live, k0 // 128, stride_sak, stride_sbk)
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             a_half = a_bufs.index(slot).slice(HALF * HALF_M, HALF_M)
             part = warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), part, use_acc=False, is_async=True)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             release(empty, step, STAGES)
             acc += part * scale[:, None]
-            scale = following
             step += 1
         out = acc.to(c_desc.dtype)
         if first + HALF_M <= end:
