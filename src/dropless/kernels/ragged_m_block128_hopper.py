@@ -69,8 +69,7 @@ def _half(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sam, stride_sak, stri
         first = row0 + HALF * HALF_M
         rows = first + gl.arange(0, HALF_M, layout=row_layout)
         live = rows < end
-        routed = group < E
-        k_end = gl.where(routed, K, 0)
+        k_end = gl.where(group < E, K, 0)  # the unrouted tail's tiles are zeros: nothing to multiply
         sa_rows = sa_ptr + rows.to(gl.int64) * stride_sam
         sb_tile = sb_ptr + group.to(gl.int64) * stride_sbe + (col0 // 128) * stride_sbn
         acc = gl.zeros((HALF_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
@@ -104,7 +103,7 @@ def _ragged_m_block128_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, 
                               stride_sbe, stride_sbk, stride_sbn, offsets_ptr, M, N, K, E,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
-                              ZERO_TAIL: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+                              ZERO_TAIL: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K],
@@ -121,7 +120,7 @@ def _ragged_m_block128_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, 
                  GROUP_M, STAGES, E_POW2, ZERO_TAIL)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, True, ZERO_TAIL)),
-    ], [4, LOADER_WARPS], [COMPUTE_REGS, 40])
+    ], [4, LOADER_WARPS], [232, 40])
 
 
 _LAUNCH = DirectLaunch(_ragged_m_block128_kernel)
@@ -131,8 +130,7 @@ BLOCK128_CONFIG = GemmConfig(128, 128, 128, num_warps=4, num_stages=4, gluon=Tru
 
 def ragged_m_block128_hopper(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                              offsets: torch.Tensor, c: torch.Tensor, num_programs: int,
-                             config: GemmConfig = BLOCK128_CONFIG, tail: bool = True,
-                             compute_regs: int = 232) -> None:
+                             config: GemmConfig = BLOCK128_CONFIG, tail: bool = True) -> None:
     """Launch on e4m3 ``a [M, K]`` (TMA-readable) with fp32 ``sa [M, cdiv(K, 128)]``, e4m3 ``b [E, K, N]``
     with K contiguous and fp32 ``sb [E, cdiv(K, 128), cdiv(N, 128)]`` (scales at any strides), int32
     ``offsets [E]`` and bf16/fp16 ``c [M, N]``, on an sm_90 GPU. ``config``: 128x128 tiles, 128-deep
@@ -149,4 +147,4 @@ def ragged_m_block128_hopper(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor,
             stride_sam=sa.stride(0), stride_sak=sa.stride(1), stride_sbe=sb.stride(0), stride_sbk=sb.stride(1),
             stride_sbn=sb.stride(2), offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=config.group_m, STAGES=config.num_stages, E_POW2=next_power_of_2(E + 1), ZERO_TAIL=tail,
-            COMPUTE_REGS=compute_regs, num_warps=4)
+            num_warps=4)
