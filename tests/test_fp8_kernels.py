@@ -606,3 +606,35 @@ def test_ragged_m_block128_hopper_gpu(shape, scale_view):
             end = sum(sizes)
             _check_rows(y[:end], ref[:end], sizes)
             assert bool(y[end:].isnan().all()), "y: rows past offsets[-1] written with tail=False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (CUDA and launch.hopper_gluon_device(torch.device(DEVICE))),
+                    reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("mode", ["bf16", "fp32", "added", "flagged"])
+@pytest.mark.parametrize("shape", ["e8", "e16_odd", *SHAPES_K])
+def test_ragged_k_block128_hopper_gpu(shape, mode):
+    """The warp-specialized block128 weight gradient (two warpgroups on the halves of each tile), written
+    in bf16 or fp32, or added to fp32 values for every expert or the flagged ones. The kernel reads the
+    layout's zeros after each group's rows (its last window), so they are zeros here, not NaN."""
+    from dropless.kernels.ragged_k_block128_hopper import ragged_k_block128_hopper
+
+    if shape in SHAPES_K:
+        M, K, N, sizes = SHAPES_K[shape]
+    else:
+        M, K, N, E = GPU_SHAPES[shape]
+        sizes = random_group_sizes(E, M - 37)
+    E = len(sizes)
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "block128", gap=0.0)
+    accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
+                  "flagged": ACCUMULATE_FLAGGED}[mode]
+    flags = torch.arange(E, device=DEVICE) % 2 == 0 if mode == "flagged" else None
+    out = poisoned((E, K, N), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE)
+    expected = ref
+    if accumulate != NO_ACCUMULATE:
+        out.copy_(torch.randn(E, K, N, device=DEVICE) * ref.abs().max())
+        added = flags.view(-1, 1, 1) if flags is not None else torch.ones(E, 1, 1, dtype=torch.bool, device=DEVICE)
+        expected = torch.where(added, out.double() + ref, ref)
+    ragged_k_block128_hopper(a, a_scale, b, b_scale, offsets_of(sizes, DEVICE), out, accumulate, flags,
+                             launch.launch_info(torch.device(DEVICE)).num_programs)
+    _check_experts(out, expected)

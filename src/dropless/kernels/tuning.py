@@ -329,6 +329,11 @@ def run_ragged_m_fp8(a: torch.Tensor, a_scale: torch.Tensor, a_block: tuple[int 
     run(config)
 
 
+def _unit_stride(scale: torch.Tensor) -> torch.Tensor:
+    """``scale [rows, cols]`` with unit stride along its columns (K or N), as the Gluon kernels read it."""
+    return scale if scale.stride(1) == 1 else scale.contiguous()
+
+
 def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                      block: int | None, offsets: torch.Tensor, c: torch.Tensor, accumulate: int,
                      flags: torch.Tensor | None, fast_accum: bool = False, tma: bool | None = None,
@@ -349,6 +354,11 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if weight_nk(c):
         a, a_scale, b, b_scale, c = b, b_scale, a, a_scale, c.transpose(1, 2)
     info = launch_info(a.device, tma)
+    if config is None and info.tma and block == 128 and not fast_accum and hopper_fp8_wgrad_ok(a, b, c):
+        from dropless.kernels.ragged_k_block128_hopper import ragged_k_block128_hopper
+        ragged_k_block128_hopper(a, _unit_stride(a_scale), b, _unit_stride(b_scale), offsets, c, accumulate, flags,
+                                 info.num_programs)
+        return
     if info.tma and block is None and fast_accum and hopper_fp8_wgrad_ok(a, b, c):
         written = c.dtype != torch.float32 and not accumulate
         tuner = _RAGGED_K_FP8_HOPPER if written else _RAGGED_K_FP8_HOPPER_ACCUMULATE
@@ -360,9 +370,7 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
             from dropless.kernels.ragged_k_hopper import ragged_k_mm_hopper
-            # The kernel reads each group's scales at unit stride along K and N.
-            scales = (a_scale if a_scale.stride(1) == 1 else a_scale.contiguous(),
-                      b_scale if b_scale.stride(1) == 1 else b_scale.contiguous())
+            scales = (_unit_stride(a_scale), _unit_stride(b_scale))
             ragged_k_mm_hopper(a, b, offsets, out, accumulate, flags, config, info.num_programs, scales)
         else:
             ragged_k_fp8_mm(a, a_scale, b, b_scale, block, offsets, out, accumulate, flags, config, info, fast_accum)
