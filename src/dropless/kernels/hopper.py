@@ -77,13 +77,14 @@ def group_bounds(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def stage_barriers(STAGES: gl.constexpr, readers: gl.constexpr = 1):
-    """Per stage of a ring, a ``ready`` barrier (it was filled) and an ``empty`` one (each of its
-    ``readers`` partitions is done with it)."""
+def stage_barriers(STAGES: gl.constexpr, readers: gl.constexpr = 1, arrivals: gl.constexpr = 1):
+    """Per stage of a ring, a ``ready`` barrier (it was filled: ``arrivals`` arrivals, such as a TMA
+    expect and each thread's asynchronous-copy arrive) and an ``empty`` one (each of its ``readers``
+    partitions is done with it)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=arrivals)
         mbarrier.init(empty.index(i), count=readers)
     return ready, empty
 

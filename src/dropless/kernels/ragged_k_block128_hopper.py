@@ -13,8 +13,11 @@ Each 128-token step's product starts from zero on the tensor cores and is promot
 accumulator scaled by its block's column scales of a and b (an outer product), as DeepGEMM's weight
 gradient does. As in the block128 forward (``ragged_m_block128_hopper``), two compute warpgroups share
 each 128x128 output tile, its rows 0-63 and 64-127 (the K side), unsynchronized but by the stage ring,
-so one promotes while the other's MMA runs. The loader and the tile numbering are the weight-gradient
-kernel's (``ragged_k_hopper``, static schedule).
+so one promotes while the other's MMA runs. The loader also copies each step's scales of the tile's
+columns of a and b into the stage (asynchronous copies counted by its ready barrier), so the partitions
+read them from shared memory: loaded from global memory in the partitions (32 columns of b a thread
+each step), they cost ~30% of the kernel's rate. The loader and the tile numbering are the
+weight-gradient kernel's (``ragged_k_hopper``, static schedule).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ QUEUE: gl.constexpr = gl.constexpr(1)  # the loader's tile queue (its by-work sc
 
 
 @gluon.jit
-def _half(c_desc, flags_ptr, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs, c_buf, prior_bar, ready, empty,
-          offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n,
+def _half(c_desc, flags_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, c_buf, prior_bar, ready, empty,
+          offsets_ptr, M, total_tiles, tiles_k, tiles_n,
           HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
           GROUP_M: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr):
     """One compute partition: output rows ``HALF * 64`` to ``HALF * 64 + 63`` of every tile of the program."""
@@ -58,22 +61,16 @@ def _half(c_desc, flags_ptr, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_buf
         n0 = pid_n * BLOCK_N
         start, end = _group_rows(offsets_ptr, group, M)
         start, end = _data_rows(start, end, group, True)
-        ks = k0 + gl.arange(0, HALF_K, layout=gl.SliceLayout(1, acc_layout))
-        ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        sa_cols = sa_ptr + ks
-        sb_cols = sb_ptr + ns
-        k_in = ks < K
-        n_in = ns < N
         acc = gl.zeros((HALF_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         part = gl.zeros((HALF_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for row in range(start, end, BLOCK_M):
             slot = step % STAGES
-            block = (row // BLOCK_M).to(gl.int64)
-            sa = gl.load(sa_cols + block * stride_sa, mask=k_in, other=0.0)
-            sb = gl.load(sb_cols + block * stride_sb, mask=n_in, other=0.0)
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             a_half = a_bufs.index(slot).slice(HALF * HALF_K, HALF_K)
             part = warpgroup_mma(a_half, b_bufs.index(slot).permute((1, 0)), part, use_acc=False, is_async=True)
+            # The block's scales of the tile's rows and columns (0 past K and N), read before the stage goes back.
+            sa = sa_bufs.index(slot).slice(HALF * HALF_K, HALF_K).load(gl.SliceLayout(1, acc_layout))
+            sb = sb_bufs.index(slot).load(gl.SliceLayout(0, acc_layout))
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             release(empty, step, STAGES)
             acc += part * sa[:, None] * sb[None, :]
@@ -111,7 +108,11 @@ def _ragged_k_block128_kernel(a_desc, b_desc, c_desc, flags_ptr, sa_ptr, sb_ptr,
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_K, BLOCK_N], c_desc.dtype)
     c_upper = gl.allocate_shared_memory(c_desc.dtype, [HALF_K, BLOCK_N], c_layout)
     c_lower = gl.allocate_shared_memory(c_desc.dtype, [HALF_K, BLOCK_N], c_layout)
-    ready, empty = stage_barriers(STAGES, 2)
+    # Each stage's scales of the tile's rows and columns, copied in by the loader warp's 32 threads.
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_K], scale_layout)
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], scale_layout)
+    ready, empty = stage_barriers(STAGES, 2, 1 + 32)
     prior_bars, _ = stage_barriers(2)  # each partition's: its tile's current values loaded (ACCUMULATE)
     # The loader's queue of drawn tiles is for its by-work schedule, unused here (static schedule).
     tile_ids = gl.allocate_shared_memory(gl.int32, [QUEUE, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -120,14 +121,15 @@ def _ragged_k_block128_kernel(a_desc, b_desc, c_desc, flags_ptr, sa_ptr, sb_ptr,
     tiles_n = gl.cdiv(N, BLOCK_N)
     total_tiles = E * tiles_k * tiles_n
     gl.warp_specialize([
-        (_half, (c_desc, flags_ptr, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs, c_upper,
-                 prior_bars.index(0), ready, empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n, 0,
+        (_half, (c_desc, flags_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, c_upper,
+                 prior_bars.index(0), ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n, 0,
                  BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE)),
-        (_half, (c_desc, flags_ptr, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs, c_lower,
-                 prior_bars.index(1), ready, empty, offsets_ptr, M, N, K, total_tiles, tiles_k, tiles_n, 1,
+        (_half, (c_desc, flags_ptr, a_bufs, b_bufs, sa_bufs, sb_bufs, c_lower,
+                 prior_bars.index(1), ready, empty, offsets_ptr, M, total_tiles, tiles_k, tiles_n, 1,
                  BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
-                   total_tiles, tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, False, QUEUE, True)),
+                   total_tiles, tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
+                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, False, QUEUE, True, True)),
     ], [4, 1], [232, 40])
 
 

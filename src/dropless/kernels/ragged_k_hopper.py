@@ -44,6 +44,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -150,12 +151,19 @@ def _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE: gl.constexpr, WARPS: 
 
 @gluon.jit
 def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step, tiles_k, tiles_n,
+               sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-               STAGES: gl.constexpr, TOKENS_MAJOR: gl.constexpr):
-    """TMA loads of every row block of one tile into the stage ring; returns the next step number."""
+               STAGES: gl.constexpr, TOKENS_MAJOR: gl.constexpr, STEP_SCALES: gl.constexpr):
+    """TMA loads of every row block of one tile into the stage ring; returns the next step number.
+    STEP_SCALES: also each row block's scales of the tile's columns of a and b, ``sa[block, k0:]`` and
+    ``sb[block, n0:]`` (0 past K and N), into ``sa_bufs [STAGES, BLOCK_K]`` and ``sb_bufs [STAGES, BLOCK_N]``
+    by the warp's asynchronous copies, whose arrivals (one a thread) the ready barriers count."""
     group, pid_k, pid_n = _tile_of(tile_id, tiles_k, tiles_n, GROUP_M)
     start, end = _group_rows(offsets_ptr, group, M)
     start, end = _data_rows(start, end, group, TOKENS_MAJOR)
+    if STEP_SCALES:
+        ks = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([BLOCK_K // 32], [32], [1], [0]))
+        ns = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0]))
     for row in range(start, end, BLOCK_M):
         slot = step % STAGES
         # A slot is free once the MMA that read it completed; the ring starts out free.
@@ -168,30 +176,39 @@ def _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, til
         else:
             tma.async_copy_global_to_shared(a_desc, [row, pid_k * BLOCK_K], bar, a_bufs.index(slot))
             tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(slot))
+        if STEP_SCALES:
+            block = (row // BLOCK_M).to(gl.int64)
+            async_copy.async_copy_global_to_shared(sa_bufs.index(slot), sa_ptr + block * stride_sa + ks, mask=ks < K)
+            async_copy.async_copy_global_to_shared(sb_bufs.index(slot), sb_ptr + block * stride_sb + ns, mask=ns < N)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
         step += 1
     return step
 
 
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
-            total_tiles, tiles_k, tiles_n,
+            total_tiles, tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
             BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr, TOKENS_MAJOR: gl.constexpr):
-    """One warp: TMA loads of every row block of every tile of this program, into the stage ring. The
-    tiles are those the scheduler queues (BY_WORK), or every ``num_programs``-th tile in group order."""
+            STAGES: gl.constexpr, BY_WORK: gl.constexpr, QUEUE: gl.constexpr, TOKENS_MAJOR: gl.constexpr,
+            STEP_SCALES: gl.constexpr = False):
+    """One warp: TMA loads of every row block of every tile of this program, into the stage ring (with
+    STEP_SCALES, each block's scales too: ``_load_tile``). The tiles are those the scheduler queues
+    (BY_WORK), or every ``num_programs``-th tile in group order."""
     step = 0
     if BY_WORK:
         n = 0
         tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
         while tile_id >= 0:
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
-                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR)
+                              tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
+                              BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR, STEP_SCALES)
             n += 1
             tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
-                              tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR)
+                              tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
+                              BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR, STEP_SCALES)
 
 
 @gluon.jit
@@ -345,8 +362,8 @@ def _ragged_k_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, flags_ptr, stride_ce,
                     tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, BY_WORK, QUEUE,
                     TOKENS_MAJOR, SCALED, INSTR_K, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, tile_empty, offsets_ptr, M,
-                   total_tiles, tiles_k, tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, QUEUE,
-                   TOKENS_MAJOR)),
+                   total_tiles, tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, a_bufs, b_bufs, K, N,
+                   BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, BY_WORK, QUEUE, TOKENS_MAJOR)),
         (_scheduler, (tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E, total_tiles, tiles_k, tiles_n,
                       BY_WORK, E_POW2, QUEUE)),
     ], [1, 1], [24, 48])

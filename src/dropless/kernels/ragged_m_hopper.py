@@ -23,6 +23,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -85,10 +86,13 @@ def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, B
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-            STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, ZERO_TAIL: gl.constexpr):
-    """TMA loads of the K blocks of every tile of this program, into the stage ring."""
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E, sa_ptr, stride_sam, stride_sak,
+            s_bufs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+            STAGES: gl.constexpr, E_POW2: gl.constexpr, B_NK: gl.constexpr, ZERO_TAIL: gl.constexpr,
+            STEP_SCALES: gl.constexpr = False):
+    """TMA loads of the K blocks of every tile of this program, into the stage ring. STEP_SCALES: also
+    each step's column of the row scales, ``sa[rows, k0 // BLOCK_K]`` (0 past the group), into ``s_bufs
+    [STAGES, BLOCK_M]`` by each thread's asynchronous copies, whose arrivals the ready barriers count."""
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, LOADER_WARPS)
     total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, LOADER_WARPS)
     step = 0
@@ -97,6 +101,10 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, 
                                          GROUP_M, E_POW2, LOADER_WARPS)
         # The unrouted tail has no weight: nothing to load, its tiles are zeros.
         k_end = gl.where(group < E, K, 0)
+        if STEP_SCALES:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // (32 * LOADER_WARPS)], [32],
+                                                                        [LOADER_WARPS], [0]))
+            sa_rows = sa_ptr + rows.to(gl.int64) * stride_sam
         for k0 in range(0, k_end, BLOCK_K):
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
@@ -109,6 +117,10 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, 
             else:
                 tma.async_copy_global_to_shared(b_desc, [group, k0, col0], bar,
                                                 b_bufs.index(slot).reshape([1, BLOCK_K, BLOCK_N]))
+            if STEP_SCALES:
+                async_copy.async_copy_global_to_shared(s_bufs.index(slot), sa_rows + (k0 // BLOCK_K) * stride_sak,
+                                                       mask=rows < end)
+                async_copy.mbarrier_arrive(bar, increment_count=False)
             step += 1
 
 
@@ -242,7 +254,7 @@ def _ragged_m_hopper_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, sa_ptr, sb
         (_compute, (c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_bufs, c_smem, ready, empty,
                     offsets_ptr, M, N, K, E, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, EPI_HALVES,
                     SCALED, INSTR_K, ZERO_TAIL, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E,
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, E, sa_ptr, 0, 0, a_bufs,
                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, E_POW2, B_NK, ZERO_TAIL)),
     ], [LOADER_WARPS], [40])
 
