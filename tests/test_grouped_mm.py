@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import (
     KERNEL_DEVICE,
+    REL_TOL,
     assert_close,
     assert_experts_close,
     assert_rows_close,
@@ -324,8 +325,16 @@ def _check_routing(sizes, tail, K, N, dtype, device):
     init = main_grad.clone()
     flags = torch.tensor([random.random() < 0.5 for _ in sizes], device=device)
     dropless.grouped_mm_wgrad(x.detach(), dy, offsets, out=main_grad, accumulate=flags)
-    expected = torch.where(flags.cpu().view(-1, 1, 1), init.double().cpu() + ref_dw, ref_dw)
-    assert_experts_close(main_grad, expected, torch.float32, "main_grad")
+    added = flags.cpu().view(-1, 1, 1)
+    expected = torch.where(added, init.double().cpu() + ref_dw, ref_dw)
+    assert bool(torch.isfinite(main_grad).all()), "main_grad: non-finite elements"
+    # An added expert is rounded to fp32 at the scale of its prior value and of the product, not of their
+    # sum, which can cancel: each expert's error is measured against both.
+    scale = torch.where(added, init.double().cpu().abs() + ref_dw.abs(), ref_dw.abs())
+    for e in range(len(sizes)):
+        err = torch.linalg.vector_norm(main_grad[e].double().cpu() - expected[e]).item()
+        bound = REL_TOL[torch.float32] * torch.linalg.vector_norm(scale[e]).item()
+        assert err <= bound, f"main_grad[{e}]: error {err:.3g} > {bound:.3g}"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
