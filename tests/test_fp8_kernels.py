@@ -524,6 +524,34 @@ def test_ragged_k_fp8_every_candidate_gpu(case, mode):
     _check_experts(out, ref, fast_accum)
 
 
+def _wgrad_case(shape: str, recipe: str, mode: str):
+    """A GPU weight-gradient case: ``(sizes, (a, a_scale, b, b_scale, block), ref, flags, accumulate)`` with
+    the operands quantized per group with ``recipe`` (zeros between the groups, which the Hopper kernels read
+    in each group's last window), the fp64 oracle ``[E, K, N]``, and for ``mode`` (bf16, fp32, added or
+    flagged) the experts' flags (every other one, flagged only) and the accumulate mode."""
+    if shape in SHAPES_K:
+        M, K, N, sizes = SHAPES_K[shape]
+    else:
+        M, K, N, E = GPU_SHAPES[shape]
+        sizes = random_group_sizes(E, M - 37)
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, recipe, gap=0.0)
+    flags = torch.arange(len(sizes), device=DEVICE) % 2 == 0 if mode == "flagged" else None
+    accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
+                  "flagged": ACCUMULATE_FLAGGED}[mode]
+    return sizes, (a, a_scale, b, b_scale, block), ref, flags, accumulate
+
+
+def _with_prior(out: torch.Tensor, ref: torch.Tensor, flags: torch.Tensor | None, accumulate: int) -> torch.Tensor:
+    """The expected ``[E, K, N]`` result in ``out``: ``ref`` where it is written; where it is added to, ``out``
+    first filled with random prior values (of ref's magnitude) and the expected sum returned."""
+    if accumulate == NO_ACCUMULATE:
+        return ref
+    out.copy_(torch.randn(tuple(out.shape), device=DEVICE) * ref.abs().max())
+    E = out.shape[0]
+    added = flags.view(-1, 1, 1) if flags is not None else torch.ones(E, 1, 1, dtype=torch.bool, device=DEVICE)
+    return torch.where(added, out.double() + ref, ref)
+
+
 def _hopper_fp8_wgrad_cases() -> list:
     """``(mode, config)``: each candidate of the Hopper FP8 wgrad tuners with the outputs it serves."""
     return ([("bf16", config) for config in tuning._RAGGED_K_FP8_HOPPER.candidates]
@@ -541,23 +569,10 @@ def test_ragged_k_fp8_hopper_every_candidate_gpu(case, shape):
     output layouts (a transposed one swaps the operands). The kernel reads the layout's zeros after each
     group's rows (its last window), so they are zeros here, not NaN."""
     mode, config = case
-    if shape in SHAPES_K:
-        M, K, N, sizes = SHAPES_K[shape]
-    else:
-        M, K, N, E = GPU_SHAPES[shape]
-        sizes = random_group_sizes(E, M - 37)
-    E = len(sizes)
-    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "rowwise", gap=0.0)
-    flags = torch.arange(E, device=DEVICE) % 2 == 0 if mode == "flagged" else None
-    accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
-                  "flagged": ACCUMULATE_FLAGGED}[mode]
+    sizes, (a, a_scale, b, b_scale, block), ref, flags, accumulate = _wgrad_case(shape, "rowwise", mode)
     for transposed in (False, True):
-        out = poisoned((E, K, N), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE, transposed)
-        expected = ref
-        if accumulate != NO_ACCUMULATE:
-            out.copy_(torch.randn(E, K, N, device=DEVICE) * ref.abs().max())
-            added = flags.view(-1, 1, 1) if flags is not None else torch.ones(E, 1, 1, dtype=torch.bool, device=DEVICE)
-            expected = torch.where(added, out.double() + ref, ref)
+        out = poisoned(tuple(ref.shape), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE, transposed)
+        expected = _with_prior(out, ref, flags, accumulate)
         oriented = (b, a, out.transpose(1, 2)) if transposed else (a, b, out)
         assert launch.hopper_fp8_wgrad_ok(*oriented)
         run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, accumulate, flags,
@@ -619,22 +634,9 @@ def test_ragged_k_block128_hopper_gpu(shape, mode):
     layout's zeros after each group's rows (its last window), so they are zeros here, not NaN."""
     from dropless.kernels.ragged_k_block128_hopper import ragged_k_block128_hopper
 
-    if shape in SHAPES_K:
-        M, K, N, sizes = SHAPES_K[shape]
-    else:
-        M, K, N, E = GPU_SHAPES[shape]
-        sizes = random_group_sizes(E, M - 37)
-    E = len(sizes)
-    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, "block128", gap=0.0)
-    accumulate = {"bf16": NO_ACCUMULATE, "fp32": NO_ACCUMULATE, "added": ACCUMULATE_ALL,
-                  "flagged": ACCUMULATE_FLAGGED}[mode]
-    flags = torch.arange(E, device=DEVICE) % 2 == 0 if mode == "flagged" else None
-    out = poisoned((E, K, N), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE)
-    expected = ref
-    if accumulate != NO_ACCUMULATE:
-        out.copy_(torch.randn(E, K, N, device=DEVICE) * ref.abs().max())
-        added = flags.view(-1, 1, 1) if flags is not None else torch.ones(E, 1, 1, dtype=torch.bool, device=DEVICE)
-        expected = torch.where(added, out.double() + ref, ref)
+    sizes, (a, a_scale, b, b_scale, _), ref, flags, accumulate = _wgrad_case(shape, "block128", mode)
+    out = poisoned(tuple(ref.shape), torch.bfloat16 if mode == "bf16" else torch.float32, DEVICE)
+    expected = _with_prior(out, ref, flags, accumulate)
     ragged_k_block128_hopper(a, a_scale, b, b_scale, offsets_of(sizes, DEVICE), out, accumulate, flags,
                              launch.launch_info(torch.device(DEVICE)).num_programs)
     _check_experts(out, expected)
