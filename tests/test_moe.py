@@ -196,6 +196,18 @@ def test_moe_rejects_bad_input(reference_backend):
         MoE(8, 8, 4, 1)(torch.randn(3, 7))
 
 
+@pytest.mark.parametrize("args, kwargs, pattern", [
+    ((0, 8, 4, 1), {}, r"^d_model and d_ff must be at least 1, got 0 and 8$"),
+    ((8, -2, 4, 1), {}, r"^d_model and d_ff must be at least 1, got 8 and -2$"),
+    ((8, 8, 4, 1), {"num_shared_experts": -1}, r"^num_shared_experts must be at least 0 and shared_d_ff"),
+    ((8, 8, 4, 1), {"num_shared_experts": 1, "shared_d_ff": 0},
+     r"^num_shared_experts must be at least 0 and shared_d_ff"),
+])
+def test_moe_rejects_bad_sizes_at_construction(args, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MoE(*args, **kwargs)
+
+
 @pytest.mark.parametrize("top_k", [0, -1, 5])
 def test_moe_rejects_bad_top_k_at_construction(top_k):
     with pytest.raises(ValueError, match=rf"^top_k must be in \[1, num_experts=4\], got {top_k}$"):

@@ -120,12 +120,13 @@ def test_route_rejects_bad_top_k(top_k):
     ({"top_k": 0}, r"^top_k must be in \[1, num_experts=8\], got 0$"),
     ({"top_k": 9}, r"^top_k must be in \[1, num_experts=8\], got 9$"),
     ({"num_experts": 0, "top_k": 1}, r"^num_experts must be at least 1, got 0$"),
+    ({"d_model": 0}, r"^d_model must be at least 1, got 0$"),
     ({"score_func": "relu"}, r"^score_func must be one of \('softmax', 'sigmoid'\), got 'relu'$"),
 ])
 def test_router_module_rejects_bad_options_at_construction(kwargs, pattern):
-    options = {"num_experts": 8, "top_k": 2, **kwargs}
+    options = {"d_model": 16, "num_experts": 8, "top_k": 2, **kwargs}
     with pytest.raises(ValueError, match=pattern):
-        TopKRouter(16, options.pop("num_experts"), options.pop("top_k"), **options)
+        TopKRouter(options.pop("d_model"), options.pop("num_experts"), options.pop("top_k"), **options)
 
 
 def test_router_module_counts_and_bias_update():

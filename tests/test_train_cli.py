@@ -66,6 +66,14 @@ def test_missing_data_file(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("device, message", [("tpu", "not a device PyTorch knows"),
+                                             ("meta", "dropless trains on cpu or cuda")])
+def test_unknown_device(tmp_path, capsys, device, message):
+    assert main(["train", "--device", device, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"--device {device}: {message}" in err
+
+
 def test_text_too_short(tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("expert " * 10)

@@ -123,6 +123,11 @@ class MoE(nn.Module):
         self.options = options
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        if d_model < 1 or d_ff < 1:
+            raise ValueError(f"d_model and d_ff must be at least 1, got {d_model} and {d_ff}")
+        if num_shared_experts < 0 or shared_d_ff is not None and shared_d_ff < 1:
+            raise ValueError(f"num_shared_experts must be at least 0 and shared_d_ff at least 1 (or None), got "
+                             f"{num_shared_experts} and {shared_d_ff}")
         if ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend must be one of {EP_BACKENDS}, got {ep_backend!r}")
         self.ep_group = ep_group

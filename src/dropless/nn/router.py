@@ -27,6 +27,8 @@ class TopKRouter(nn.Module):
                  expert_bias: bool = False, bias_update_rate: float = 1e-3, scale: float = 1.0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if d_model < 1:
+            raise ValueError(f"d_model must be at least 1, got {d_model}")
         if num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:

@@ -44,7 +44,12 @@ def resolve_device(name: str, ranks: Ranks) -> torch.device:
     of its local rank."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainError(f"--device {name}: not a device PyTorch knows (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {name}: dropless trains on cpu or cuda")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise TrainError(f"--device {name}: no CUDA GPU is visible to PyTorch")
