@@ -235,6 +235,21 @@ def test_host_group_sizes_are_checked(name, sizes, pattern, backend):
     assert bool((layer.weight.main_grad == 2.0).all())
 
 
+@pytest.mark.parametrize("sizes, pattern", [
+    (torch.tensor([1.0, 2.0, 3.0]), r"^group_sizes must be an integer tensor .*got torch.float32$"),
+    (torch.tensor([True, False, True]), r"^group_sizes must be an integer tensor .*got torch.bool$"),
+    ([1, 2.5, 2], r"^group_sizes must be ints, got \[1, 2.5, 2\]$"),
+    ([1, True, 2], r"^group_sizes must be ints"),
+])
+def test_group_sizes_must_be_integers(sizes, pattern, backend):
+    """Sizes that are not integers (a float or bool tensor, a fractional host value) are refused, not
+    truncated into other groups."""
+    _, device = backend
+    layer = GroupedLinear(3, 4, 5, device=device)
+    with pytest.raises(TypeError, match=pattern):
+        layer(torch.randn(6, 4, device=device), sizes)
+
+
 def test_host_group_sizes_may_leave_rows(backend):
     """Fewer sizes than rows is allowed: the rows past their sum give zeros."""
     _, device = backend

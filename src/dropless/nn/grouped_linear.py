@@ -258,6 +258,12 @@ class GroupedLinear(nn.Module):
         """int32 ``[E]`` cumulative ends of ``group_sizes`` on x's device; sizes given on the host as a
         sequence are checked against the product's ``rows`` here (tensors are left to the device-side
         validation)."""
+        if isinstance(group_sizes, torch.Tensor):
+            if group_sizes.dtype.is_floating_point or group_sizes.dtype.is_complex or group_sizes.dtype == torch.bool:
+                raise TypeError(f"group_sizes must be an integer tensor (or a sequence of ints), got "
+                                f"{group_sizes.dtype}")
+        elif any(isinstance(size, bool) or int(size) != size for size in group_sizes):
+            raise TypeError(f"group_sizes must be ints, got {list(group_sizes)}")
         sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
         if sizes.shape != (self.num_experts,):
             raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}] (one size per expert), got "
