@@ -339,7 +339,8 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
                      flags: torch.Tensor | None, fast_accum: bool = False, tma: bool | None = None,
                      config: GemmConfig | None = None) -> None:
     """``c[e] (+)= (a * sa)[s_e:t_e]^T @ (b * sb)[s_e:t_e]`` with the tuned config of its class or with
-    ``config``; nothing syncs with the host.
+    ``config``; nothing syncs with the host. On sm_90, block128 (promoted, no ``config``) runs the Gluon
+    kernel ``ragged_k_block128_hopper`` and rowwise with fast accumulation the Gluon ``ragged_k_hopper``.
 
     a: float8_e4m3fn ``[Mp, K]``, b: float8_e4m3fn ``[Mp, N]``, both quantized per group along the tokens
     of M tokens in E groups as ``dropless.quantized`` lays them out: ``Mp = 128 * (cdiv(M, 128) + E)`` rows,
