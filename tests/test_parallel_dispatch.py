@@ -126,13 +126,15 @@ def _bad_input_worker(rank, world, case, backend="nccl"):
     if case == "fp64":
         x = x.double()
     checked_on_device = RuntimeError if symmetric else ValueError
-    error, match = {"indivisible": (ValueError, "num_experts"), "out_of_range": (checked_on_device, "topk_idx"),
+    error, match = {"indivisible": (ValueError, "num_experts"),
+                    "no_experts": (ValueError, "num_experts must be an int"),
+                    "out_of_range": (checked_on_device, "topk_idx"),
                     "dtype": (checked_on_device, "one dtype and width"),
                     "width": (checked_on_device, "one dtype and width"), "fp64": (ValueError, "x must be one of"),
                     "max_tokens": (ValueError, "max_tokens")}[case]
     with pytest.raises(error, match=match):
-        dispatch(x, idx, torch.rand(3, 2), num_experts=3 if case == "indivisible" else 4, backend=backend,
-                 max_tokens=2 if case == "max_tokens" else None)
+        dispatch(x, idx, torch.rand(3, 2), num_experts={"indivisible": 3, "no_experts": 0}.get(case, 4),
+                 backend=backend, max_tokens=2 if case == "max_tokens" else None)
 
 
 CASES_2 = [
@@ -181,7 +183,7 @@ def test_symmetric_memory_dispatch_combine_match_one_process_on_gpus(world, case
     run_ranks(world, _worker, cases, "symmetric_memory", backend="nccl")
 
 
-@pytest.mark.parametrize("case", ["indivisible", "out_of_range", "dtype", "width"])
+@pytest.mark.parametrize("case", ["indivisible", "no_experts", "out_of_range", "dtype", "width"])
 def test_bad_input_raises_on_every_rank(case):
     run_ranks(2, _bad_input_worker, case)
 

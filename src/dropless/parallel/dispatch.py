@@ -239,6 +239,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be int32/int64, got {topk_idx.dtype}")
     world = dist.get_world_size(group)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int of at least 1, got {num_experts!r}")
     if num_experts % world:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the group's size ({world})")
     if backend == "symmetric_memory":
