@@ -584,6 +584,55 @@ def test_bound_writes_the_groups_rows_and_leaves_the_tail(name, opts, dim, sizes
     assert untouched(data[written:]) and untouched(scale[scale_rows:])
 
 
+def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
+    """E group sizes summing to at most M: a few large groups, many small or empty ones."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(E, generator=g) ** 4 * (torch.rand(E, generator=g) > 0.3)
+    sizes = (weights / weights.sum() * (M - 7)).floor().long().tolist()
+    return sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES[2:], ids=GROUP_RECIPE_IDS[2:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sizes, M, K", [
+    ([0, 70, 0, 80, 50], 200, 72),  # empty groups, sizes not divisible by 32 or 128, a partial column tile
+    ([190], 200, 136),  # one giant group, 10 rows past offsets[-1]
+    ([0, 0, 0], 37, 64),  # no rows in any group
+    ([33, 1, 130, 31, 5], 200, 72),  # starts at every phase of the blocks
+    (_skewed_sizes(200, 9000, 0), 9000, 200),  # more tiles than programs, a group table of 256
+])
+@pytest.mark.parametrize("tail", [True, False])
+def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail):
+    """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``, blockwise recipes), bit for bit the
+    reference, NaN and infinities included, every element of the poisoned outputs written; with
+    ``tail=False``, not one byte past the groups' rows."""
+    from dropless.kernels.launch import hopper_gluon_device
+    from dropless.kernels.quantize_hopper import quantize_groups_hopper_ok
+
+    if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
+        pytest.skip("needs an sm_90 GPU")
+    recipe = get_recipe(name, **opts)
+    x = planted((M, K), dtype, KERNEL_DEVICE)
+    x[min(8, M - 1), 5] = float("nan")
+    x[min(20, M - 1), 7] = float("inf")
+    offsets = offsets_of(sizes, KERNEL_DEVICE)
+    data, scale = (poison(t) for t in empty_quantized(x.shape, recipe, 0, len(sizes), KERNEL_DEVICE))
+    assert quantize_groups_hopper_ok(x, data, recipe, None)
+    quantize_along(x, data, scale, recipe, 0, offsets, bound=None if tail else offsets[-1:])
+    ref_data, ref_scale = reference.quantize(x.cpu(), recipe, 0, offsets.cpu())
+    written, scale_rows = data.shape[0], scale.shape[0]
+    if not tail:
+        routed = sum(sizes)
+        written = data_rows_of([*sizes, M - routed], M)[0][-1]
+        scale_rows = len(sizes) if recipe.block is None else routed // recipe.block + len(sizes)
+    nan = torch.isnan(ref_data[:written].float())  # NaN for NaN, whose sign bit may differ
+    assert torch.equal(torch.isnan(data[:written].float()).cpu(), nan)
+    assert torch.equal(raw(data[:written]).cpu()[~nan], raw(ref_data[:written])[~nan])
+    assert torch.equal(raw(scale[:scale_rows]).cpu(), raw(ref_scale[:scale_rows]))
+    assert untouched(data[written:]) and untouched(scale[scale_rows:])
+
+
 def test_tail_errors_name_the_argument():
     x = torch.randn(10, 16)
     offsets = torch.tensor([4, 8], dtype=torch.int32)

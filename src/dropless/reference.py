@@ -212,11 +212,17 @@ def _frexp(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(inf, 0.5, mantissa), torch.where(inf, 129, exponent)
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` correctly rounded on every device: a CUDA tensor divided by a Python number is
+    multiplied by the number's reciprocal instead, which is not the rounded quotient."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def fp32_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     """The fp32 scale of blocks whose largest magnitude is ``amax``: ``amax / 448`` (rounded to nearest
     in fp32), with ``pow2`` rounded up to a power of two, exactly; 1 where that is 0 (amax 0, or so
     small that ``amax / 448`` underflows)."""
-    s = amax / FP8_MAX
+    s = _over_fp8_max(amax)
     if pow2:
         mantissa, exponent = _frexp(s)
         s = torch.ldexp(torch.ones_like(s), torch.where(mantissa == 0.5, exponent - 1, exponent))
@@ -234,7 +240,7 @@ def e8m0_exponent(amax: torch.Tensor, rounding: str) -> torch.Tensor:
         value = amax
         exponent = _frexp(amax)[1] - 1 - 8
     else:
-        value = amax / FP8_MAX
+        value = _over_fp8_max(amax)
         mantissa, exponent = _frexp(value)
         exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
     return torch.where(value > 0, exponent, -127).clamp(-127, 127).to(torch.int32)

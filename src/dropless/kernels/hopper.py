@@ -60,13 +60,22 @@ def scan_max(a, b):
     return gl.maximum(a, b)
 
 
+@gluon.constexpr_function
+def group_layout(E_POW2, WARPS, REPLICATED):
+    """The layout of ``[E_POW2]`` group vectors: spread over WARPS warps, or (REPLICATED) held whole by
+    each warp, so that picking an entry needs no exchange between warps."""
+    if REPLICATED:
+        return gl.BlockedLayout([max(E_POW2 // 32, 1)], [32], [WARPS], [0])
+    return gl.BlockedLayout([1], [32], [WARPS], [0])
+
+
 @gluon.jit
-def group_bounds(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
-    """Row ranges ``[starts, ends)`` of the groups as ``[E_POW2]`` vectors spread over WARPS warps.
+def group_bounds(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr, REPLICATED: gl.constexpr = False):
+    """Row ranges ``[starts, ends)`` of the groups as ``[E_POW2]`` vectors in ``group_layout``.
     Entry E (if E_POW2 > E) is the unrouted tail ``[offsets[E-1], M)``; entries past it are empty.
     Bounds are clamped into ``[0, M]`` and made non-decreasing, so malformed offsets can neither
     address outside the operands nor make groups overlap."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    layout: gl.constexpr = group_layout(E_POW2, WARPS, REPLICATED)
     e = gl.arange(0, E_POW2, layout=layout)
     ends = gl.load(offsets_ptr + e, mask=e < E, other=M)
     ends = gl.associative_scan(gl.minimum(gl.maximum(ends, 0), M), 0, scan_max)

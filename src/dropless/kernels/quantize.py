@@ -1,17 +1,6 @@
-"""FP8 quantization: one scale per block, the elements divided by it and cast to float8_e4m3fn.
-
-    amax  = max |x| over the block                   (a NaN element counts as 0: it stays NaN in the data)
-    fp32 recipes:  scale = amax / 448                (correctly rounded; 1 where it is 0)
-                   pow2:  scale = 2**ceil(log2(amax / 448))
-    mxfp8 (E8M0):  scale = 2**e, e = floor(log2(amax)) - 8                   ("floor", OCP MX v1.0)
-                                 e = ceil(log2(fl(amax / 448)))              ("rceil")
-                   clamped to [-127, 127], amax 0 gives 2**-127; stored as the byte e + 127
-    data  = e4m3(clamp(x / scale, -448, 448))        (round to nearest even; NaN stays NaN)
-
-Every exponent is read off the fp32 bits (subnormals included; rceil needs no division), and every
-division is correctly rounded (``div_rn``; mxfp8 multiplies by the exact power of two ``2**-e``), so
-the kernels match ``dropless.reference.quantize`` bit for bit. The layouts of data and scales are
-``dropless.quantized``'s.
+"""FP8 quantization: one scale per block, the elements divided by it and cast to float8_e4m3fn (the
+arithmetic, bit for bit ``dropless.reference.quantize``'s, is ``fp8_math``'s). The layouts of data and
+scales are ``dropless.quantized``'s.
 
 Three kernels over a 3D view ``x [BATCH, R, C]`` (a 2D operand is ``[1, M, K]``, a weight ``[E, K, N]``),
 any strides. Each program addresses its tile from 64-bit scalar bases with 32-bit offsets inside it
@@ -53,93 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.kernels.fp8_math import E8M0_ONE, block_scale, magnitude, to_fp8
 from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
+from dropless.kernels.quantize_hopper import quantize_groups_hopper, quantize_groups_hopper_ok
 from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows, grouped_scale_rows
 
-FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
-E8M0_ONE = tl.constexpr(127)  # the E8M0 byte of 2**0
-FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # 2**-126, fp32's smallest normal value
 _GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of per-group data starts at a multiple of it
-
-
-@triton.jit
-def _magnitude(v):
-    """``|v|`` with NaN as 0, so that a NaN element leaves its block's scale alone (and amax is an
-    ordinary non-negative float whose bits order like integers)."""
-    return tl.where(v == v, tl.abs(v), 0.0)
-
-
-@triton.jit
-def _pow2_ceil(s):
-    """The smallest power of two ``>= s`` for ``s >= 0``, exactly: adding a mantissa's worth to the bits
-    carries a non-zero mantissa into the exponent. A subnormal s is scaled by 2**23 first (both exact)."""
-    tiny = s < FP32_TINY
-    t = s * tl.where(tiny, 8388608.0, 1.0)
-    p = ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    return p * tl.where(tiny, 1.1920928955078125e-07, 1.0)
-
-
-@triton.jit
-def _scale(amax, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr):
-    """The scale of blocks whose largest magnitude is ``amax``: fp32, or the biased E8M0 exponent (int32
-    in ``[0, 254]``) when MX."""
-    if MX:
-        bits = amax.to(tl.int32, bitcast=True)
-        # floor(log2(amax)) is the exponent field less 127; a subnormal amax clamps to -127 below.
-        biased = (bits >> 23) - 8
-        if RCEIL:
-            # ceil(log2(fl(amax / 448))) with no division: while the quotient is normal, fl(amax / 448) <= 2**k
-            # exactly when amax <= 448 * 2**k = 1.75 * 2**(k + 8), so k is one more than floor's where the
-            # mantissa exceeds 1.75's. Where the quotient is subnormal its coarser grid rounds the one
-            # amax just above 448 * 2**-127 down to 2**-127; an infinite quotient saturates. (Checked
-            # against the division for every fp32 amax.)
-            biased += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-            biased = tl.where(bits == 0x04600001, 0, biased)
-            biased = tl.where(bits >= 0x7F800000, 254, biased)
-        scale = tl.minimum(tl.maximum(biased, 0), 254)
-    else:
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
-        if POW2:
-            scale = _pow2_ceil(scale)
-        scale = tl.where(scale > 0.0, scale, 1.0)
-    return scale
-
-
-@triton.jit
-def _to_e4m3(y, EMULATE_FP8: tl.constexpr):
-    """fp32 ``y`` within ``[-448, 448]`` (or NaN) to float8_e4m3fn, rounded to nearest even."""
-    if EMULATE_FP8:
-        bits = y.to(tl.int32, bitcast=True)
-        magnitude = bits & 0x7FFFFFFF
-        # |y| >= 2**-6 (normal in e4m3): drop 20 mantissa bits, ties to even, rebias the exponent 127 -> 7.
-        normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
-        # Smaller: the subnormal count |y| * 2**9, ties to even, from the 24-bit significand.
-        shift = tl.minimum(tl.maximum(141 - (magnitude >> 23), 21), 31)
-        significand = (magnitude & 0x7FFFFF) | 0x800000
-        count = significand >> shift
-        rest = significand & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        count += ((rest > half) | ((rest == half) & ((count & 1) == 1))).to(tl.int32)
-        code = tl.where(magnitude < (121 << 23), count, normal)
-        code = tl.where(magnitude > 0x7F800000, 0x7F, code) | ((bits >> 24) & 0x80)
-        q = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    else:
-        q = y.to(tl.float8e4nv)
-    return q
-
-
-@triton.jit
-def _to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
-    """``e4m3(clamp(v / scale))`` for fp32 ``v`` and a ``scale`` that broadcasts to it (fp32, or a biased
-    E8M0 exponent when MX)."""
-    if MX:
-        # 2**-(scale - 127) is an fp32 (a subnormal for 2**-127), so the product is the exact quotient.
-        inverse = tl.where(scale == 254, 0x400000, (254 - scale) << 23).to(tl.float32, bitcast=True)
-        y = v * inverse
-    else:
-        y = tl.math.div_rn(v, tl.broadcast_to(scale, v.shape))
-    return _to_e4m3(tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), EMULATE_FP8)
 
 
 @triton.jit
@@ -260,13 +169,13 @@ def _tile_kernel(
     data_c_tile = data_c + (batch64 * R + row64) * C + col64  # storage [BATCH, R, C]
 
     if AMAX_PASS:
-        magnitude = _magnitude(v)
+        mags = magnitude(v)
         if ALONG_R:
-            col_amax = tl.max(magnitude, axis=0).to(tl.int32, bitcast=True)
-            tl.atomic_max(amax_r + group64 * C + col64 + c, col_amax, mask=col_ok & live)
+            col_amax = tl.max(mags, axis=0).to(tl.int32, bitcast=True)
+            tl.atomic_max(amax_r + group64 * C + col64 + c, col_amax, mask=col_ok & live, sem="relaxed")
         if ALONG_C:
-            row_amax = tl.max(magnitude, axis=1).to(tl.int32, bitcast=True)
-            tl.atomic_max(amax_c + batch64 * R + row64 + r, row_amax, mask=row_ok)
+            row_amax = tl.max(mags, axis=1).to(tl.int32, bitcast=True)
+            tl.atomic_max(amax_c + batch64 * R + row64 + r, row_amax, mask=row_ok, sem="relaxed")
     else:
         if ALONG_R:
             v_r = v
@@ -278,13 +187,13 @@ def _tile_kernel(
                 if GROUPED:
                     in_scale = in_scale & (group < E)
                 amax = tl.load(amax_r + group64 * C + col64 + c, mask=in_scale, other=0).to(tl.float32, bitcast=True)
-                scale = _scale(amax, False, POW2, False)
-                q = _to_fp8(v_r, scale[None, :], False, EMULATE_FP8)
+                scale = block_scale(amax, False, POW2, False)
+                q = to_fp8(v_r, scale[None, :], False, EMULATE_FP8)
                 tl.store(scale_r + group64 * C + col64 + c, scale, mask=in_scale & (local == 0))
             else:
                 v3 = tl.reshape(v_r, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
-                scale = _scale(tl.max(_magnitude(v3), axis=1), MX, POW2, RCEIL)
-                q = tl.reshape(_to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
+                scale = block_scale(tl.max(magnitude(v3), axis=1), MX, POW2, RCEIL)
+                q = tl.reshape(to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 # The tile's blocks are blocks local * BLOCK_R / BLOCK onwards of its group (or batch).
                 b = tl.arange(0, BLOCK_R // BLOCK)
                 if GROUPED:
@@ -306,13 +215,13 @@ def _tile_kernel(
         if ALONG_C:
             if BLOCK == 0:
                 amax = tl.load(amax_c + batch64 * R + row64 + r, mask=row_ok, other=0).to(tl.float32, bitcast=True)
-                scale = _scale(amax, False, POW2, False)
-                q = _to_fp8(v, scale[:, None], False, EMULATE_FP8)
+                scale = block_scale(amax, False, POW2, False)
+                q = to_fp8(v, scale[:, None], False, EMULATE_FP8)
                 tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (tl.program_id(1) == 0))
             else:
                 v3 = tl.reshape(v, (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
-                scale = _scale(tl.max(_magnitude(v3), axis=2), MX, POW2, RCEIL)
-                q = tl.reshape(_to_fp8(v3, scale[:, :, None], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
+                scale = block_scale(tl.max(magnitude(v3), axis=2), MX, POW2, RCEIL)
+                q = tl.reshape(to_fp8(v3, scale[:, :, None], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 blocks_c = tl.cdiv(C, BLOCK)
                 b = tl.arange(0, BLOCK_C // BLOCK)
                 scale_tile = scale_c + (batch64 * R + row64) * blocks_c + col0 // BLOCK
@@ -349,8 +258,8 @@ def _tile128_kernel(
     for r0 in tl.static_range(0, 128, CHUNK_R):
         mask = (r < R - row0 - r0)[:, None] & col_ok[None, :]
         v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
-        amax = tl.maximum(amax, _magnitude(v.to(tl.float32)))
-    s = _scale(tl.max(tl.max(amax, axis=1), axis=0), False, POW2, False)
+        amax = tl.maximum(amax, magnitude(v.to(tl.float32)))
+    s = block_scale(tl.max(tl.max(amax, axis=1), axis=0), False, POW2, False)
     tl.store(scale + (batch64 * tiles_r + tile_r) * tl.cdiv(C, 128) + tl.program_id(1), s,
              mask=(row0 < R) & (col0 < C))
     for r0 in tl.static_range(0, 128, CHUNK_R):
@@ -359,7 +268,7 @@ def _tile128_kernel(
             mask = row_ok[:, None] & col_ok[None, :]
             v = tl.load(x_tile + (r0 + r)[:, None] * stride_xr + c[None, :] * stride_xc, mask=mask, other=0.0)
             data_c_rows = data_c + (batch64 * R + row0 + r0) * C + col0
-            tl.store(data_c_rows + r[:, None] * C + c[None, :], _to_fp8(v.to(tl.float32), s, False, EMULATE_FP8),
+            tl.store(data_c_rows + r[:, None] * C + c[None, :], to_fp8(v.to(tl.float32), s, False, EMULATE_FP8),
                      mask=mask)
         if ALONG_R:
             # The chunk read again as [128, CHUNK_R] rather than an fp8 tl.trans of the values above: from
@@ -368,7 +277,7 @@ def _tile128_kernel(
             mask_t = col_ok[:, None] & row_ok[None, :]
             v_t = tl.load(x_tile + c[:, None] * stride_xc + (r0 + r)[None, :] * stride_xr, mask=mask_t, other=0.0)
             data_r_cols = data_r + (batch64 * C + col0) * R + row0 + r0
-            tl.store(data_r_cols + c[:, None] * R + r[None, :], _to_fp8(v_t.to(tl.float32), s, False, EMULATE_FP8),
+            tl.store(data_r_cols + c[:, None] * R + r[None, :], to_fp8(v_t.to(tl.float32), s, False, EMULATE_FP8),
                      mask=mask_t)
 
 
@@ -398,19 +307,19 @@ def _rowwise_kernel(
     if K <= BLOCK_K:
         mask = row_ok[:, None] & (c < K)[None, :]
         v = tl.load(x_rows + c[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        s = _scale(tl.max(_magnitude(v), axis=1), False, POW2, False)
-        tl.store(data_rows + c[None, :], _to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
+        s = block_scale(tl.max(magnitude(v), axis=1), False, POW2, False)
+        tl.store(data_rows + c[None, :], to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
             v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_magnitude(v), axis=1))
-        s = _scale(amax, False, POW2, False)
+            amax = tl.maximum(amax, tl.max(magnitude(v), axis=1))
+        s = block_scale(amax, False, POW2, False)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
             v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            tl.store(data_rows + (k0 + c)[None, :], _to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
+            tl.store(data_rows + (k0 + c)[None, :], to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
     tl.store(scale + row0 + r, s, mask=row_ok)
 
 
@@ -561,7 +470,10 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     """
     launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
-    if dim == x.dim() - 2:
+    if offsets is not None and dim == 0 and quantize_groups_hopper_ok(x, data, recipe, rows):
+        quantize_groups_hopper(x, data, _raw(scale), recipe, offsets, bound is not None,
+                               grouped_scale_rows(x.shape[0], offsets.shape[0], recipe.block))
+    elif dim == x.dim() - 2:
         _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows, bound=bound)
     elif recipe.block is not None or x.dim() == 3:
         _launch_tiles(x3, recipe, data_c=data, bound=bound, **{"scale_r" if recipe.tile else "scale_c": scale})

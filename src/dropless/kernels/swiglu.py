@@ -20,8 +20,8 @@ The quantized copy is ``a`` quantized along F (the down projection's K) as ``dro
 recipe, dim=-1)`` does it, bit for bit: it is made from the values of ``a`` as stored (rounded to a's
 dtype), not from the fp32 products, so that the down projection's forward (this copy) and its weight
 gradient (``a`` quantized along the tokens) see one and the same ``a``, and an FP8 layer gives the
-bits it gives without the fusion. The quantization itself is ``kernels/quantize.py``'s (``_scale``,
-``_to_fp8``), so the two cannot drift apart. ``a`` is still written: the weight gradient and autograd
+bits it gives without the fusion. The quantization itself is ``kernels/fp8_math.py``'s (``block_scale``,
+``to_fp8``), so the two cannot drift apart. ``a`` is still written: the weight gradient and autograd
 need it.
 - block128 / mxfp8 (1 x B blocks along F): the tiles of the 2-D grid span whole blocks (BLOCK_F a
   multiple of B, masked past F), so each program quantizes its own tile from registers. h is read
@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
-from dropless.kernels.quantize import _magnitude, _raw, _scale, _to_fp8
+from dropless.kernels.fp8_math import block_scale, magnitude, to_fp8
+from dropless.kernels.quantize import _raw
 from dropless.quantized import Recipe
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -144,15 +145,15 @@ def _glu_kernel(
             cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
             a = _forward_tile(h_rows, out_rows, cols, row_ok[:, None] & (cols < F)[None, :], F, stride_hf,
                               stride_of, ACTIVATION)
-            amax = tl.maximum(amax, tl.max(_magnitude(a), axis=1))
-        s = _scale(amax, False, POW2, False)
+            amax = tl.maximum(amax, tl.max(magnitude(a), axis=1))
+        s = block_scale(amax, False, POW2, False)
         # The second loop reads back what every thread of the program wrote in the first.
         tl.debug_barrier()
         for f0 in range(0, F, BLOCK_F):
             cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
             mask = row_ok[:, None] & (cols < F)[None, :]
             a = tl.load(out_rows + cols[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
-            tl.store(data_rows + cols[None, :], _to_fp8(a, s[:, None], False, EMULATE_FP8), mask=mask)
+            tl.store(data_rows + cols[None, :], to_fp8(a, s[:, None], False, EMULATE_FP8), mask=mask)
         tl.store(scale + rows * stride_sm, s, mask=row_ok)
     else:
         cols = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -171,8 +172,8 @@ def _glu_kernel(
             if QUANTIZE:
                 # Masked elements are 0, so they never raise a block's amax.
                 a3 = tl.reshape(a, (BLOCK_M, BLOCK_F // QBLOCK, QBLOCK))
-                s = _scale(tl.max(_magnitude(a3), axis=2), MX, POW2, RCEIL)
-                q = tl.reshape(_to_fp8(a3, s[:, :, None], MX, EMULATE_FP8), (BLOCK_M, BLOCK_F))
+                s = block_scale(tl.max(magnitude(a3), axis=2), MX, POW2, RCEIL)
+                q = tl.reshape(to_fp8(a3, s[:, :, None], MX, EMULATE_FP8), (BLOCK_M, BLOCK_F))
                 tl.store(data_rows + cols[None, :], q, mask=mask)
                 blocks = pid_f * (BLOCK_F // QBLOCK) + tl.arange(0, BLOCK_F // QBLOCK)
                 tl.store(scale + rows[:, None] * stride_sm + blocks[None, :], s.to(scale.dtype.element_ty),

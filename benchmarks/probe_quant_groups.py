@@ -1,0 +1,75 @@
+"""Quantization per group along the tokens: the Gluon kernel (``kernels/quantize_hopper.py``) against the
+Triton tile kernel it replaces for 16-bit x, on the benchmark's activations, one GPU.
+
+    PYTHONPATH=src python benchmarks/probe_quant_groups.py
+
+For each tensor, routing and recipe: both kernels' outputs compared byte for byte with the reference
+(``dropless.reference.quantize``, run on the GPU), then the GB/s of the
+least bytes a call must move (x read once, 2 bytes an element, the FP8 copy written, 1 byte) as a share
+of a device copy's GB/s (bytes read + written) measured in the same run, and the Gluon kernel's
+speed-up. The host's own time is not in it: each call is timed on the GPU (``do_bench``, median).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
+
+import torch
+from triton.testing import do_bench
+
+import dropless
+from dropless import reference
+from dropless.bench.routing import group_sizes
+from dropless.kernels import quantize as qk
+from dropless.quantized import get_recipe
+
+DEV = torch.device("cuda")
+TENSORS = [("qwen3 x", 128, 65536, 2048), ("qwen3-down x", 128, 65536, 768), ("dsv3 dy", 32, 32768, 7168),
+           ("dsv3-down x", 32, 32768, 2048), ("mixtral dy", 4, 16384, 14336)]
+
+
+def ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def triton_only(fn):
+    """``fn`` with the Gluon kernel turned down, so the Triton tile kernel runs."""
+    original = qk.quantize_groups_hopper_ok
+    qk.quantize_groups_hopper_ok = lambda *args: False
+    try:
+        return fn()
+    finally:
+        qk.quantize_groups_hopper_ok = original
+
+
+def main() -> None:
+    src = torch.empty(2**30, dtype=torch.int16, device=DEV)
+    dst = torch.empty_like(src)
+    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
+    print(f"{'tensor':14s} {'routing':8s} {'recipe':9s} {'triton us':>9s} {'gluon us':>9s} "
+          f"{'triton':>7s} {'gluon':>7s} {'speedup':>7s}  (share of the copy)")
+    for name, E, M, K in TENSORS:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        for routing in ("balanced", "skewed"):
+            offsets = torch.tensor(group_sizes(E, M, routing, 0, 16), device=DEV).cumsum(0).to(torch.int32)
+            for recipe in ("block128", "mxfp8", "rowwise"):
+                call = lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets)  # noqa: E731
+                fast, slow = call(), triton_only(call)
+                ref_data, ref_scale = reference.quantize(x, get_recipe(recipe), 0, offsets)
+                same = all(torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8))
+                           and torch.equal(q.scale.view(torch.uint8), ref_scale.view(torch.uint8)) for q in (fast, slow))
+                del ref_data, ref_scale
+                t_triton, t_gluon = triton_only(lambda: ms(call)), ms(call)
+                least = 3 * M * K
+                print(f"{name:14s} {routing:8s} {recipe:9s} {1e3 * t_triton:9.1f} {1e3 * t_gluon:9.1f} "
+                      f"{least / t_triton / 1e6 / copy:7.2f} {least / t_gluon / 1e6 / copy:7.2f} "
+                      f"{t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
+        del x
+
+
+if __name__ == "__main__":
+    main()

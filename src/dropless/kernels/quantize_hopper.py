@@ -1,0 +1,235 @@
+"""FP8 quantization per group along the tokens on Hopper, in Gluon: what ``quantize(x, recipe, dim=0,
+offsets)`` runs for a 16-bit ``x [M, K]`` that TMA can read (``quantize_groups_hopper_ok``).
+
+The numbering of the work, the layouts and every byte written are those of ``quantize._tile_kernel``'s
+per-group tiles (``kernels/quantize.py``): slot s of group g reads x's rows from ``start_g + 128 * local``
+(``local`` its place in the group), writes data rows ``128 * s`` to ``128 * s + 127`` of the ``[K, Mp]``
+storage (the group's rows, then zeros) and the scale rows of its blocks; a slot past its group's rows
+writes zeros and the scales of empty blocks; the tail's slots (past ``offsets[-1]``) write zeros, or
+nothing at all when BOUNDED. How a tile moves:
+- persistent programs take the tiles ``(slot, 64 columns)`` in slot-major order, so the programs running
+  together read neighbouring columns of the same rows. Each finds its slot's group from the offsets it
+  holds in registers (every warp holds the whole table: no table launch, no exchange between warps);
+- a loader warp brings each tile that has rows in its group, ``[128, 64]`` (128 bytes a row), into a ring
+  of shared-memory stages by TMA;
+- four compute warps read a stage in a layout where a thread holds pairs of neighbouring rows of four
+  columns, 16 rows in all, with 8 lanes down the rows: a column's amax is taken inside the thread and
+  across 8 lanes of one warp (no exchange between warps), and the 8-byte shared-memory reads meet no
+  more bank conflicts than their width asks under the 128-byte swizzle;
+- the FP8 tile is written transposed into shared memory (a thread's row pairs are neighbouring bytes of
+  the output) and leaves by an asynchronous TMA store while the next tile is computed; tiles with no
+  rows leave from a buffer of zeros.
+Blockwise recipes only (block128, mxfp8): rowwise scales span whole groups, and its two passes (the
+amax, then the values) measured no faster this way than in the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from dropless.kernels import fp8_math
+from dropless.kernels.direct_launch import DirectLaunch
+from dropless.kernels.hopper import descriptor, group_bounds, group_layout, release, stage_barriers
+from dropless.kernels.launch import LaunchInfo, cdiv, hopper_gluon_device, launch_info, next_power_of_2
+from dropless.quantized import GROUP_ALIGN, Recipe
+
+ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of the per-group data
+COLUMNS: gl.constexpr = gl.constexpr(64)  # columns a tile: 128 bytes of a 16-bit x
+STAGES = 4
+PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
+LOADER_WARPS: gl.constexpr = gl.constexpr(1)
+
+_block_scale = gluon.jit(fp8_math.block_scale.fn)
+_to_fp8 = gluon.jit(fp8_math.to_fp8.fn)
+
+
+@gluon.jit
+def _group_table(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Per group (entry E: the tail past ``offsets[-1]``) its rows ``[starts, ends)`` and its first slot,
+    ``[E_POW2]`` vectors every warp holds whole."""
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, WARPS, True)
+    firsts = starts // ROWS + gl.arange(0, E_POW2, layout=group_layout(E_POW2, WARPS, True))
+    return starts, ends, firsts
+
+
+@gluon.jit
+def _pick(values, index, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """``values[index]`` of a group vector."""
+    e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, WARPS, True))
+    return gl.sum(gl.where(e == index, values, 0), axis=0)
+
+
+@gluon.jit
+def _slot(slot, starts, ends, firsts, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """Slot -> (its group, its place in the group, the group's first row and end)."""
+    group = gl.sum((firsts <= slot).to(gl.int32), axis=0) - 1
+    local = slot - _pick(firsts, group, E_POW2, WARPS)
+    return group, local, _pick(starts, group, E_POW2, WARPS), _pick(ends, group, E_POW2, WARPS)
+
+
+@gluon.jit
+def _slots_to_run(firsts, E, SLOTS, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+    """All the slots, or with BOUNDED those before the tail's first."""
+    if BOUNDED:
+        slots = _pick(firsts, E, E_POW2, WARPS)
+    else:
+        slots = SLOTS
+    return slots
+
+
+@gluon.jit
+def _loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
+            BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of the program's tiles that have rows in their group, into the stage ring."""
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, 1)
+    col_tiles = gl.cdiv(C, COLUMNS)
+    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, 1)
+    step = 0
+    for tile in range(gl.program_id(0), slots * col_tiles, gl.num_programs(0)):
+        slot = tile // col_tiles
+        group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, 1)
+        row0 = start + local * ROWS
+        if (row0 < end) & (group < E):
+            stage = step % STAGES
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [row0, (tile - slot * col_tiles) * COLUMNS], ready.index(stage),
+                                            x_bufs.index(stage))
+            step += 1
+
+
+@gluon.jit
+def _take(x_bufs, ready, empty, step, row0, end, layout: gl.constexpr, STAGES: gl.constexpr):
+    """The tile of ``step`` from its stage, as fp32 in ``layout`` with the rows past the group's end made
+    zeros; the stage goes back to the loader."""
+    stage = step % STAGES
+    mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+    v = x_bufs.index(stage).load(layout)
+    release(empty, step, STAGES)
+    v = v.to(gl.float32)
+    if row0 + ROWS > end:
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        v = gl.where((rows < end - row0)[:, None], v, 0.0)
+    return v
+
+
+@gluon.jit
+def _column_amax(v, axis: gl.constexpr):
+    """``max |v|`` along ``axis``, NaN counted as 0 (``fp8_math.magnitude``'s rule: maxnum skips NaN, and
+    a column of NaN only gives NaN, which the last maximum with 0 turns into 0)."""
+    return gl.maximum(gl.max(gl.abs(v), axis=axis), 0.0)
+
+
+@gluon.jit
+def _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, SCALE_ROWS,
+                        BLOCK: gl.constexpr, MX: gl.constexpr):
+    """Write a tile's block scales ``scale [ROWS // BLOCK, COLUMNS]``: the tile's blocks are the group's
+    blocks ``local * ROWS // BLOCK`` onwards, whose scale rows start at ``start // BLOCK + group``; the
+    group's rows end at ``end // BLOCK + group + 1``, the tail's at SCALE_ROWS. An E8M0 block with no
+    rows holds 2**0, as the layout asks (an fp32 one gets 1 from its zero amax)."""
+    layout: gl.constexpr = scale.type.layout
+    b = gl.arange(0, ROWS // BLOCK, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    row0 = start + local * ROWS
+    first_row = start // BLOCK + group + local * (ROWS // BLOCK)
+    rows_end = gl.where(group < E, end // BLOCK + group + 1, SCALE_ROWS)
+    if MX:
+        has_rows = (b * BLOCK < end - row0) & (group < E)
+        scale = gl.where(has_rows[:, None], scale, fp8_math.E8M0_ONE)
+    ptrs = scale_ptr + (first_row + b).to(gl.int64)[:, None] * C + (col0 + c)[None, :]
+    gl.store(ptrs, scale.to(scale_ptr.dtype.element_ty), mask=(b < rows_end - first_row)[:, None] & (c < C - col0)[None, :])
+
+
+@gluon.jit
+def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, SCALE_ROWS,
+             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
+             BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: each tile's block amaxes and scales, its FP8 values written transposed, its
+    store."""
+    layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
+    col_tiles = gl.cdiv(C, COLUMNS)
+    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, num_warps)
+    zero_buf.store(gl.zeros([ROWS, COLUMNS], gl.float32, layout).to(gl.float8e4nv).permute((1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    step = 0
+    written = 0
+    for tile in range(gl.program_id(0), slots * col_tiles, gl.num_programs(0)):
+        slot = tile // col_tiles
+        col0 = (tile - slot * col_tiles) * COLUMNS
+        group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, num_warps)
+        row0 = start + local * ROWS
+        live = (row0 < end) & (group < E)
+        if live:
+            v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
+            step += 1
+            v3 = v.reshape([ROWS // BLOCK, BLOCK, COLUMNS])
+            scale = _block_scale(_column_amax(v3, 1), MX, POW2, RCEIL)
+            q = _to_fp8(v3, scale[:, None, :], MX, False).reshape([ROWS, COLUMNS])
+            _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, SCALE_ROWS, BLOCK, MX)
+            out = out_bufs.index(written % 2)
+            # The store that last read this buffer (two written tiles ago) is done.
+            tma.store_wait(pendings=1)
+            gl.thread_barrier()
+            out.store(q.permute((1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], out)
+            written += 1
+        else:
+            scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+            zeros = gl.zeros([ROWS // BLOCK, COLUMNS], gl.float32, scale_layout)
+            _store_block_scales(scale_ptr, _block_scale(zeros, MX, POW2, RCEIL), group, local, start, end,
+                                C, col0, E, SCALE_ROWS, BLOCK, MX)
+            tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _quantize_groups_kernel(x_desc, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, SCALE_ROWS,
+                            BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
+                            BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
+                            num_warps: gl.constexpr):
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, COLUMNS], x_desc.layout)
+    out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
+    zero_buf = gl.allocate_shared_memory(gl.float8e4nv, [COLUMNS, ROWS], data_desc.layout)
+    ready, empty = stage_barriers(STAGES)
+    gl.warp_specialize([
+        (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS,
+                    SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
+        (_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS, BOUNDED, E_POW2, STAGES)),
+    ], [LOADER_WARPS], [64])
+
+
+_LAUNCH = DirectLaunch(_quantize_groups_kernel)
+
+
+def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recipe, rows: torch.Tensor | None) -> bool:
+    """Whether the Gluon kernel quantizes ``x [M, K]`` per group along the tokens into ``data`` (a
+    ``[Mp, K]`` view of ``[K, Mp]`` storage): a non-empty 16-bit x that TMA reads on an sm_90 GPU, rows
+    not gathered, a recipe with 1 x B blocks (block128, mxfp8)."""
+    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and rows is None
+            and recipe.block is not None and not recipe.tile and x.shape[0] > 0 and x.shape[1] > 0
+            and hopper_gluon_device(x.device) and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
+
+
+def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe,
+                           offsets: torch.Tensor, bounded: bool, scale_rows: int) -> None:
+    """Write ``x [M, K]`` quantized per group along the tokens (``quantize.quantize_along``'s dim 0 with
+    offsets) into ``data [Mp, K]`` and ``scale`` (``[scale_rows, K]``; the raw bytes of E8M0 scales),
+    for operands ``quantize_groups_hopper_ok`` accepts. int32 ``offsets [E]`` are read on the device.
+    bounded: the tail past ``offsets[-1]`` writes nothing."""
+    M, C = x.shape
+    E = offsets.shape[0]
+    slots = cdiv(M, GROUP_ALIGN) + E
+    tiles = slots * cdiv(C, COLUMNS.value)
+    grid = (max(1, min(tiles, PROGRAMS_PER_SM * launch_info(x.device).num_programs)),)
+    _LAUNCH(grid, x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]),
+            data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, offsets_ptr=offsets,
+            M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block, MX=recipe.name == "mxfp8",
+            POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil", BOUNDED=bounded,
+            E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4)
