@@ -7,9 +7,9 @@ per-group tiles (``kernels/quantize.py``): slot s of group g reads x's rows from
 storage (the group's rows, then zeros) and the scale rows of its blocks; a slot past its group's rows
 writes zeros and the scales of empty blocks; the tail's slots (past ``offsets[-1]``) write zeros, or
 nothing at all when BOUNDED. How a tile moves:
-- persistent programs take the tiles ``(slot, 64 columns)`` in slot-major order, so the programs running
-  together read neighbouring columns of the same rows. Each finds its slot's group from the offsets it
-  holds in registers (every warp holds the whole table: no table launch, no exchange between warps);
+- persistent programs take contiguous shares of the tiles ``(slot, 64 columns)``, numbered slot-major,
+  and look a slot's group up once for all its column tiles, from the offsets they hold in registers
+  (every warp holds the whole table: no table launch, no exchange between warps);
 - a loader warp brings each tile that has rows in its group, ``[128, 64]`` (128 bytes a row), into a ring
   of shared-memory stages by TMA;
 - four compute warps read a stage in a layout where a thread holds pairs of neighbouring rows of four
@@ -81,16 +81,28 @@ def _slots_to_run(firsts, E, SLOTS, BOUNDED: gl.constexpr, E_POW2: gl.constexpr,
 
 
 @gluon.jit
+def _tile_range(tiles):
+    """This program's tiles: a contiguous share of all of them, so that it looks a slot up once for all
+    the slot's column tiles it takes."""
+    return gl.program_id(0) * tiles // gl.num_programs(0), (gl.program_id(0) + 1) * tiles // gl.num_programs(0)
+
+
+@gluon.jit
 def _loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
             BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
     """TMA loads of the program's tiles that have rows in their group, into the stage ring."""
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, 1)
     col_tiles = gl.cdiv(C, COLUMNS)
     slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, 1)
+    first, last = _tile_range(slots * col_tiles)
+    looked_up = first // col_tiles
+    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, 1)
     step = 0
-    for tile in range(gl.program_id(0), slots * col_tiles, gl.num_programs(0)):
+    for tile in range(first, last):
         slot = tile // col_tiles
-        group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, 1)
+        if slot != looked_up:
+            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, 1)
+            looked_up = slot
         row0 = start + local * ROWS
         if (row0 < end) & (group < E):
             stage = step % STAGES
@@ -158,10 +170,15 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
     gl.thread_barrier()
     step = 0
     written = 0
-    for tile in range(gl.program_id(0), slots * col_tiles, gl.num_programs(0)):
+    first, last = _tile_range(slots * col_tiles)
+    looked_up = first // col_tiles
+    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, num_warps)
+    for tile in range(first, last):
         slot = tile // col_tiles
         col0 = (tile - slot * col_tiles) * COLUMNS
-        group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, num_warps)
+        if slot != looked_up:
+            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, num_warps)
+            looked_up = slot
         row0 = start + local * ROWS
         live = (row0 < end) & (group < E)
         if live:
