@@ -593,7 +593,7 @@ def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, opts", GROUP_RECIPES[2:], ids=GROUP_RECIPE_IDS[2:])
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sizes, M, K", [
     ([0, 70, 0, 80, 50], 200, 72),  # empty groups, sizes not divisible by 32 or 128, a partial column tile
@@ -604,7 +604,7 @@ def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
 ])
 @pytest.mark.parametrize("tail", [True, False])
 def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail):
-    """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``, blockwise recipes), bit for bit the
+    """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``), bit for bit the
     reference, NaN and infinities included, every element of the poisoned outputs written; with
     ``tail=False``, not one byte past the groups' rows."""
     from dropless.kernels.launch import hopper_gluon_device

@@ -19,8 +19,9 @@ nothing at all when BOUNDED. How a tile moves:
 - the FP8 tile is written transposed into shared memory (a thread's row pairs are neighbouring bytes of
   the output) and leaves by an asynchronous TMA store while the next tile is computed; tiles with no
   rows leave from a buffer of zeros.
-Blockwise recipes only (block128, mxfp8): rowwise scales span whole groups, and its two passes (the
-amax, then the values) measured no faster this way than in the Triton kernel.
+Rowwise (one scale per group and column) hands out strips instead, a group's rows of 64 columns: a
+program reads a strip's tiles twice, for their column amaxes and then for their values, the second time
+mostly from L2 where the strips running together fit in it, in one launch with no amax buffer.
 """
 
 from __future__ import annotations
@@ -105,12 +106,35 @@ def _loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
             looked_up = slot
         row0 = start + local * ROWS
         if (row0 < end) & (group < E):
-            stage = step % STAGES
-            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [row0, (tile - slot * col_tiles) * COLUMNS], ready.index(stage),
-                                            x_bufs.index(stage))
+            _load(x_desc, x_bufs, ready, empty, step, row0, (tile - slot * col_tiles) * COLUMNS, STAGES)
             step += 1
+
+
+@gluon.jit
+def _strip_loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, E_POW2: gl.constexpr, STAGES: gl.constexpr):
+    """Rowwise: TMA loads of each of the program's strips (a group's rows, 64 columns) twice, for its amax
+    and then for its values."""
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, 1)
+    col_tiles = gl.cdiv(C, COLUMNS)
+    step = 0
+    for strip in range(gl.program_id(0), E * col_tiles, gl.num_programs(0)):
+        group = strip // col_tiles
+        col0 = (strip - group * col_tiles) * COLUMNS
+        start = _pick(starts, group, E_POW2, 1)
+        end = _pick(ends, group, E_POW2, 1)
+        for _ in range(2):
+            for row0 in range(start, end, ROWS):
+                _load(x_desc, x_bufs, ready, empty, step, row0, col0, STAGES)
+                step += 1
+
+
+@gluon.jit
+def _load(x_desc, x_bufs, ready, empty, step, row0, col0, STAGES: gl.constexpr):
+    """A TMA load of x's tile at ``[row0, col0]`` into the stage of ``step``, once that stage is free."""
+    stage = step % STAGES
+    mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [row0, col0], ready.index(stage), x_bufs.index(stage))
 
 
 @gluon.jit
@@ -165,9 +189,7 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
     col_tiles = gl.cdiv(C, COLUMNS)
     slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, num_warps)
-    zero_buf.store(gl.zeros([ROWS, COLUMNS], gl.float32, layout).to(gl.float8e4nv).permute((1, 0)))
-    fence_async_shared()
-    gl.thread_barrier()
+    _fill_zeros(zero_buf, layout)
     step = 0
     written = 0
     first, last = _tile_range(slots * col_tiles)
@@ -188,14 +210,7 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
             scale = _block_scale(_column_amax(v3, 1), MX, POW2, RCEIL)
             q = _to_fp8(v3, scale[:, None, :], MX, False).reshape([ROWS, COLUMNS])
             _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, SCALE_ROWS, BLOCK, MX)
-            out = out_bufs.index(written % 2)
-            # The store that last read this buffer (two written tiles ago) is done.
-            tma.store_wait(pendings=1)
-            gl.thread_barrier()
-            out.store(q.permute((1, 0)))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], out)
+            _send(q, out_bufs, written, data_desc, col0, slot * ROWS)
             written += 1
         else:
             scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
@@ -203,6 +218,72 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
             _store_block_scales(scale_ptr, _block_scale(zeros, MX, POW2, RCEIL), group, local, start, end,
                                 C, col0, E, SCALE_ROWS, BLOCK, MX)
             tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _fill_zeros(zero_buf, layout: gl.constexpr):
+    """The buffer tiles with no rows leave from."""
+    zero_buf.store(gl.zeros([ROWS, COLUMNS], gl.float32, layout).to(gl.float8e4nv).permute((1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _send(q, out_bufs, written, data_desc, col0, data_row):
+    """An asynchronous TMA store of the FP8 tile ``q [ROWS, COLUMNS]``, transposed, to the data rows from
+    ``data_row`` of the columns from ``col0``, through the output buffer of the ``written``-th tile."""
+    out = out_bufs.index(written % 2)
+    # The store that last read this buffer (two written tiles ago) is done.
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    out.store(q.permute((1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(data_desc, [col0, data_row], out)
+
+
+@gluon.jit
+def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS,
+                   POW2: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """Rowwise, the default partition: a strip's column amaxes over its tiles, its scales (one per group
+    and column), then its tiles again, quantized, and the zeros of its slots past the group's rows; the
+    tail's strips write zeros (nothing with BOUNDED)."""
+    layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
+    cols = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
+    col_tiles = gl.cdiv(C, COLUMNS)
+    _fill_zeros(zero_buf, layout)
+    strips = E * col_tiles
+    if not BOUNDED:
+        strips += col_tiles
+    step = 0
+    written = 0
+    for strip in range(gl.program_id(0), strips, gl.num_programs(0)):
+        group = strip // col_tiles
+        col0 = (strip - group * col_tiles) * COLUMNS
+        start = _pick(starts, group, E_POW2, num_warps)
+        first = _pick(firsts, group, E_POW2, num_warps)
+        routed = group < E
+        # The tail's rows are not read: its data is zeros.
+        end = gl.where(routed, _pick(ends, group, E_POW2, num_warps), start)
+        slots_end = gl.where(routed, _pick(firsts, group + 1, E_POW2, num_warps), SLOTS)
+        amax = gl.zeros([COLUMNS], gl.float32, gl.SliceLayout(0, layout))
+        for row0 in range(start, end, ROWS):
+            amax = gl.maximum(amax, _column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
+            step += 1
+        scale = _block_scale(amax, False, POW2, False)
+        gl.store(scale_ptr + group * C + col0 + cols, scale, mask=(cols < C - col0) & routed)
+        for slot in range(first, slots_end):
+            row0 = start + (slot - first) * ROWS
+            if row0 < end:
+                v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
+                step += 1
+                _send(_to_fp8(v, scale[None, :], False, False), out_bufs, written, data_desc, col0, slot * ROWS)
+                written += 1
+            else:
+                tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
     tma.store_wait(pendings=0)
 
 
@@ -215,11 +296,18 @@ def _quantize_groups_kernel(x_desc, data_desc, scale_ptr, offsets_ptr, M, C, E, 
     out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
     zero_buf = gl.allocate_shared_memory(gl.float8e4nv, [COLUMNS, ROWS], data_desc.layout)
     ready, empty = stage_barriers(STAGES)
-    gl.warp_specialize([
-        (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS,
-                    SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
-        (_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS, BOUNDED, E_POW2, STAGES)),
-    ], [LOADER_WARPS], [64])
+    if BLOCK == 0:
+        gl.warp_specialize([
+            (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr,
+                              M, C, E, SLOTS, POW2, BOUNDED, E_POW2, STAGES, num_warps)),
+            (_strip_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, E_POW2, STAGES)),
+        ], [LOADER_WARPS], [64])
+    else:
+        gl.warp_specialize([
+            (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E,
+                        SLOTS, SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
+            (_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS, BOUNDED, E_POW2, STAGES)),
+        ], [LOADER_WARPS], [64])
 
 
 _LAUNCH = DirectLaunch(_quantize_groups_kernel)
@@ -228,9 +316,9 @@ _LAUNCH = DirectLaunch(_quantize_groups_kernel)
 def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recipe, rows: torch.Tensor | None) -> bool:
     """Whether the Gluon kernel quantizes ``x [M, K]`` per group along the tokens into ``data`` (a
     ``[Mp, K]`` view of ``[K, Mp]`` storage): a non-empty 16-bit x that TMA reads on an sm_90 GPU, rows
-    not gathered, a recipe with 1 x B blocks (block128, mxfp8)."""
+    not gathered, a recipe other than block128x128."""
     return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and rows is None
-            and recipe.block is not None and not recipe.tile and x.shape[0] > 0 and x.shape[1] > 0
+            and not recipe.tile and x.shape[0] > 0 and x.shape[1] > 0
             and hopper_gluon_device(x.device) and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
 
 
@@ -243,10 +331,11 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
     M, C = x.shape
     E = offsets.shape[0]
     slots = cdiv(M, GROUP_ALIGN) + E
-    tiles = slots * cdiv(C, COLUMNS.value)
-    grid = (max(1, min(tiles, PROGRAMS_PER_SM * launch_info(x.device).num_programs)),)
+    # Rowwise hands out strips (a group's rows, 64 columns; the tail's too), the blockwise recipes tiles.
+    work = (E + 1 if recipe.block is None else slots) * cdiv(C, COLUMNS.value)
+    grid = (max(1, min(work, PROGRAMS_PER_SM * launch_info(x.device).num_programs)),)
     _LAUNCH(grid, x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]),
             data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, offsets_ptr=offsets,
-            M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block, MX=recipe.name == "mxfp8",
+            M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8",
             POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil", BOUNDED=bounded,
             E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4)
