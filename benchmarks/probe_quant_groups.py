@@ -7,7 +7,9 @@ For each tensor, routing and recipe: both kernels' outputs compared byte for byt
 (``dropless.reference.quantize``, run on the GPU), then the GB/s of the
 least bytes a call must move (x read once, 2 bytes an element, the FP8 copy written, 1 byte) as a share
 of a device copy's GB/s (bytes read + written) measured in the same run, and the Gluon kernel's
-speed-up. The host's own time is not in it: each call is timed on the GPU (``do_bench``, median).
+speed-up. The host's own time is not in it: each call is timed on the GPU (``do_bench``, median). Last, the
+permuted copies of a layer's tokens, quantized from the tokens by index (``rows=``), counting the
+bytes of the copies (a row read per copy).
 """
 
 from __future__ import annotations
@@ -69,6 +71,25 @@ def main() -> None:
                       f"{least / t_triton / 1e6 / copy:7.2f} {least / t_gluon / 1e6 / copy:7.2f} "
                       f"{t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
         del x
+    print("\nthe permuted copies of a layer's tokens, read by index (rows=): T tokens, top-k, M = T k rows")
+    for name, E, T, k, K in [("qwen3 x", 128, 8192, 8, 2048), ("dsv3 x", 32, 4096, 8, 7168), ("mixtral x", 4, 8192, 2, 4096)]:
+        tokens = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+        M = T * k
+        rows = torch.randint(0, T, (M,), device=DEV)
+        offsets = torch.tensor(group_sizes(E, M, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
+        for recipe in ("block128", "mxfp8", "rowwise"):
+            call = lambda: dropless.quantize(tokens, recipe, dim=0, offsets=offsets, rows=rows)  # noqa: E731
+            fast, slow = call(), triton_only(call)
+            ref_data, ref_scale = reference.quantize(tokens[rows], get_recipe(recipe), 0, offsets)
+            same = all(torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8))
+                       and torch.equal(q.scale.view(torch.uint8), ref_scale.view(torch.uint8)) for q in (fast, slow))
+            del ref_data, ref_scale
+            t_triton, t_gluon = triton_only(lambda: ms(call)), ms(call)
+            least = 3 * M * K
+            print(f"{name:14s} {'gather':8s} {recipe:9s} {1e3 * t_triton:9.1f} {1e3 * t_gluon:9.1f} "
+                  f"{least / t_triton / 1e6 / copy:7.2f} {least / t_gluon / 1e6 / copy:7.2f} "
+                  f"{t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
+        del tokens
 
 
 if __name__ == "__main__":

@@ -602,25 +602,28 @@ def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
     ([33, 1, 130, 31, 5], 200, 72),  # starts at every phase of the blocks
     (_skewed_sizes(200, 9000, 0), 9000, 200),  # more tiles than programs, a group table of 256
 ])
-@pytest.mark.parametrize("tail", [True, False])
-def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail):
+@pytest.mark.parametrize("tail, gather", [(True, False), (False, False), (True, True)])
+def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gather):
     """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``), bit for bit the
     reference, NaN and infinities included, every element of the poisoned outputs written; with
-    ``tail=False``, not one byte past the groups' rows."""
+    ``tail=False``, not one byte past the groups' rows; with ``rows``, the rows of x read by index."""
     from dropless.kernels.launch import hopper_gluon_device
     from dropless.kernels.quantize_hopper import quantize_groups_hopper_ok
 
     if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
         pytest.skip("needs an sm_90 GPU")
     recipe = get_recipe(name, **opts)
-    x = planted((M, K), dtype, KERNEL_DEVICE)
-    x[min(8, M - 1), 5] = float("nan")
-    x[min(20, M - 1), 7] = float("inf")
+    source_rows = 61 if gather else M
+    x = planted((source_rows, K), dtype, KERNEL_DEVICE)
+    x[min(8, source_rows - 1), 5] = float("nan")
+    x[min(20, source_rows - 1), 7] = float("inf")
+    rows = torch.randint(0, source_rows, (M,), device=KERNEL_DEVICE) if gather else None
+    operand = x if rows is None else x[rows]
     offsets = offsets_of(sizes, KERNEL_DEVICE)
-    data, scale = (poison(t) for t in empty_quantized(x.shape, recipe, 0, len(sizes), KERNEL_DEVICE))
-    assert quantize_groups_hopper_ok(x, data, recipe, None)
-    quantize_along(x, data, scale, recipe, 0, offsets, bound=None if tail else offsets[-1:])
-    ref_data, ref_scale = reference.quantize(x.cpu(), recipe, 0, offsets.cpu())
+    data, scale = (poison(t) for t in empty_quantized(operand.shape, recipe, 0, len(sizes), KERNEL_DEVICE))
+    assert quantize_groups_hopper_ok(x, data, recipe, rows)
+    quantize_along(x, data, scale, recipe, 0, offsets, rows, bound=None if tail else offsets[-1:])
+    ref_data, ref_scale = reference.quantize(operand.cpu(), recipe, 0, offsets.cpu())
     written, scale_rows = data.shape[0], scale.shape[0]
     if not tail:
         routed = sum(sizes)

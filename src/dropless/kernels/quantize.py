@@ -471,8 +471,9 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if offsets is not None and dim == 0 and quantize_groups_hopper_ok(x, data, recipe, rows):
+        M = x.shape[0] if rows is None else rows.shape[0]
         quantize_groups_hopper(x, data, _raw(scale), recipe, offsets, bound is not None,
-                               grouped_scale_rows(x.shape[0], offsets.shape[0], recipe.block))
+                               grouped_scale_rows(M, offsets.shape[0], recipe.block), rows)
     elif dim == x.dim() - 2:
         _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows, bound=bound)
     elif recipe.block is not None or x.dim() == 3:

@@ -1,5 +1,6 @@
 """FP8 quantization per group along the tokens on Hopper, in Gluon: what ``quantize(x, recipe, dim=0,
-offsets)`` runs for a 16-bit ``x [M, K]`` that TMA can read (``quantize_groups_hopper_ok``).
+offsets)`` runs for a 16-bit ``x [M, K]`` that TMA can read (``quantize_groups_hopper_ok``), or its rows
+by index (``rows=``: the permuted copies of a layer's tokens).
 
 The numbering of the work, the layouts and every byte written are those of ``quantize._tile_kernel``'s
 per-group tiles (``kernels/quantize.py``): slot s of group g reads x's rows from ``start_g + 128 * local``
@@ -10,8 +11,8 @@ nothing at all when BOUNDED. How a tile moves:
 - persistent programs take contiguous shares of the tiles ``(slot, 64 columns)``, numbered slot-major,
   and look a slot's group up once for all its column tiles, from the offsets they hold in registers
   (every warp holds the whole table: no table launch, no exchange between warps);
-- a loader warp brings each tile that has rows in its group, ``[128, 64]`` (128 bytes a row), into a ring
-  of shared-memory stages by TMA;
+- a loader warpgroup brings each tile that has rows in its group, ``[128, 64]`` (128 bytes a row), into a
+  ring of shared-memory stages by TMA, or, reading rows by index, by 16-byte asynchronous copies;
 - four compute warps read a stage in a layout where a thread holds pairs of neighbouring rows of four
   columns, 16 rows in all, with 8 lanes down the rows: a column's amax is taken inside the thread and
   across 8 lanes of one warp (no exchange between warps), and the 8-byte shared-memory reads meet no
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 
 from dropless.kernels import fp8_math
 from dropless.kernels.direct_launch import DirectLaunch
@@ -41,7 +42,7 @@ ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of 
 COLUMNS: gl.constexpr = gl.constexpr(64)  # columns a tile: 128 bytes of a 16-bit x
 STAGES = 4
 PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
-LOADER_WARPS: gl.constexpr = gl.constexpr(1)
+LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
 
 _block_scale = gluon.jit(fp8_math.block_scale.fn)
 _to_fp8 = gluon.jit(fp8_math.to_fp8.fn)
@@ -89,52 +90,71 @@ def _tile_range(tiles):
 
 
 @gluon.jit
-def _loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
-            BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
+def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
+            GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
     """TMA loads of the program's tiles that have rows in their group, into the stage ring."""
-    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, 1)
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
-    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, 1)
+    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, LOADER_WARPS)
     first, last = _tile_range(slots * col_tiles)
     looked_up = first // col_tiles
-    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, 1)
+    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, LOADER_WARPS)
     step = 0
     for tile in range(first, last):
         slot = tile // col_tiles
         if slot != looked_up:
-            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, 1)
+            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, LOADER_WARPS)
             looked_up = slot
         row0 = start + local * ROWS
         if (row0 < end) & (group < E):
-            _load(x_desc, x_bufs, ready, empty, step, row0, (tile - slot * col_tiles) * COLUMNS, STAGES)
+            _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end,
+                  (tile - slot * col_tiles) * COLUMNS, GATHER, STAGES)
             step += 1
 
 
 @gluon.jit
-def _strip_loader(x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, E_POW2: gl.constexpr, STAGES: gl.constexpr):
+def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E,
+                  GATHER: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
     """Rowwise: TMA loads of each of the program's strips (a group's rows, 64 columns) twice, for its amax
     and then for its values."""
-    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, 1)
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
     step = 0
     for strip in range(gl.program_id(0), E * col_tiles, gl.num_programs(0)):
         group = strip // col_tiles
         col0 = (strip - group * col_tiles) * COLUMNS
-        start = _pick(starts, group, E_POW2, 1)
-        end = _pick(ends, group, E_POW2, 1)
+        start = _pick(starts, group, E_POW2, LOADER_WARPS)
+        end = _pick(ends, group, E_POW2, LOADER_WARPS)
         for _ in range(2):
             for row0 in range(start, end, ROWS):
-                _load(x_desc, x_bufs, ready, empty, step, row0, col0, STAGES)
+                _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER, STAGES)
                 step += 1
 
 
 @gluon.jit
-def _load(x_desc, x_bufs, ready, empty, step, row0, col0, STAGES: gl.constexpr):
-    """A TMA load of x's tile at ``[row0, col0]`` into the stage of ``step``, once that stage is free."""
+def _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0,
+          GATHER: gl.constexpr, STAGES: gl.constexpr):
+    """The operand's tile at ``[row0, col0]`` into the stage of ``step``, once that stage is free: one TMA
+    load, or with GATHER each of its rows up to ``end`` read by index (row r of the operand is x's row
+    ``rows[r]``), 16 bytes a thread a copy, each thread's copies counted by the stage's ready barrier.
+    Gathered rows are copied up to C rounded up to 8 elements (16 bytes), within x's row stride, which
+    TMA's alignment makes a multiple of 8: the columns past C are never stored."""
     stage = step % STAGES
     mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [row0, col0], ready.index(stage), x_bufs.index(stage))
+    if GATHER:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
+        r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        c = col0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+        ok = r < end - row0
+        source = gl.load(rows_ptr + row0 + r, mask=ok, other=0).to(gl.int64)
+        # In units of 8 elements, so that the compiler sees 16-byte runs.
+        ptrs = x_ptr + source[:, None] * (stride_x // 8 * 8) + c[None, :]
+        columns = gl.cdiv(C, 8) * 8
+        async_copy.async_copy_global_to_shared(x_bufs.index(stage), ptrs, mask=ok[:, None] & (c < columns)[None, :])
+        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+    else:
+        mbarrier.expect(ready.index(stage), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [row0, col0], ready.index(stage), x_bufs.index(stage))
 
 
 @gluon.jit
@@ -288,25 +308,31 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_pt
 
 
 @gluon.jit
-def _quantize_groups_kernel(x_desc, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, SCALE_ROWS,
+def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_ptr, offsets_ptr,
+                            M, C, E, SLOTS, SCALE_ROWS,
                             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
-                            BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr,
+                            STAGES: gl.constexpr, num_warps: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, COLUMNS], x_desc.layout)
     out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
     zero_buf = gl.allocate_shared_memory(gl.float8e4nv, [COLUMNS, ROWS], data_desc.layout)
-    ready, empty = stage_barriers(STAGES)
+    if GATHER:
+        ready, empty = stage_barriers(STAGES, 1, 32 * LOADER_WARPS)
+    else:
+        ready, empty = stage_barriers(STAGES)
     if BLOCK == 0:
         gl.warp_specialize([
             (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr,
                               M, C, E, SLOTS, POW2, BOUNDED, E_POW2, STAGES, num_warps)),
-            (_strip_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, E_POW2, STAGES)),
+            (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E,
+                             GATHER, E_POW2, STAGES)),
         ], [LOADER_WARPS], [64])
     else:
         gl.warp_specialize([
             (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E,
                         SLOTS, SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
-            (_loader, (x_desc, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS, BOUNDED, E_POW2, STAGES)),
+            (_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
+                       GATHER, BOUNDED, E_POW2, STAGES)),
         ], [LOADER_WARPS], [64])
 
 
@@ -314,28 +340,32 @@ _LAUNCH = DirectLaunch(_quantize_groups_kernel)
 
 
 def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recipe, rows: torch.Tensor | None) -> bool:
-    """Whether the Gluon kernel quantizes ``x [M, K]`` per group along the tokens into ``data`` (a
-    ``[Mp, K]`` view of ``[K, Mp]`` storage): a non-empty 16-bit x that TMA reads on an sm_90 GPU, rows
-    not gathered, a recipe other than block128x128."""
-    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and rows is None
-            and not recipe.tile and x.shape[0] > 0 and x.shape[1] > 0
+    """Whether the Gluon kernel quantizes ``x [M, K]`` (or ``x[rows]``) per group along the tokens into
+    ``data`` (a ``[Mp, K]`` view of ``[K, Mp]`` storage): a 16-bit x that TMA reads on an sm_90 GPU, a
+    non-empty operand, a recipe other than block128x128."""
+    M = x.shape[0] if rows is None else rows.shape[0]
+    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and not recipe.tile
+            and M > 0 and x.shape[0] > 0 and x.shape[1] > 0
             and hopper_gluon_device(x.device) and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
 
 
 def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe,
-                           offsets: torch.Tensor, bounded: bool, scale_rows: int) -> None:
-    """Write ``x [M, K]`` quantized per group along the tokens (``quantize.quantize_along``'s dim 0 with
-    offsets) into ``data [Mp, K]`` and ``scale`` (``[scale_rows, K]``; the raw bytes of E8M0 scales),
-    for operands ``quantize_groups_hopper_ok`` accepts. int32 ``offsets [E]`` are read on the device.
-    bounded: the tail past ``offsets[-1]`` writes nothing."""
-    M, C = x.shape
+                           offsets: torch.Tensor, bounded: bool, scale_rows: int,
+                           rows: torch.Tensor | None = None) -> None:
+    """Write ``x [M, K]`` (with ``rows [M']``: ``x[rows]``, each row read by index) quantized per group
+    along the tokens (``quantize.quantize_along``'s dim 0 with offsets) into ``data [Mp, K]`` and
+    ``scale`` (``[scale_rows, K]``; the raw bytes of E8M0 scales), for operands
+    ``quantize_groups_hopper_ok`` accepts. int32 ``offsets [E]`` are read on the device. bounded: the
+    tail past ``offsets[-1]`` writes nothing."""
+    C = x.shape[1]
+    M = x.shape[0] if rows is None else rows.shape[0]
     E = offsets.shape[0]
     slots = cdiv(M, GROUP_ALIGN) + E
     # Rowwise hands out strips (a group's rows, 64 columns; the tail's too), the blockwise recipes tiles.
     work = (E + 1 if recipe.block is None else slots) * cdiv(C, COLUMNS.value)
     grid = (max(1, min(work, PROGRAMS_PER_SM * launch_info(x.device).num_programs)),)
-    _LAUNCH(grid, x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]),
-            data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, offsets_ptr=offsets,
-            M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8",
-            POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil", BOUNDED=bounded,
-            E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4)
+    _LAUNCH(grid, x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]), x_ptr=x, rows_ptr=x if rows is None else rows,
+            stride_x=x.stride(0), data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale,
+            offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0,
+            MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
+            GATHER=rows is not None, BOUNDED=bounded, E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4)
