@@ -46,11 +46,31 @@ def triton_only(fn):
         qk.quantize_groups_hopper_ok = original
 
 
-def main() -> None:
+def compare(label: str, x: torch.Tensor, recipe: str, offsets: torch.Tensor, copy: float,
+            rows: torch.Tensor | None = None) -> None:
+    """One row of the table: ``x`` (or ``x[rows]``) quantized per group along the tokens by both kernels,
+    each output checked against the reference, each kernel timed."""
+    call = lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets, rows=rows)  # noqa: E731
+    fast, slow = call(), triton_only(call)
+    ref_data, ref_scale = reference.quantize(x if rows is None else x[rows], get_recipe(recipe), 0, offsets)
+    same = all(torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8))
+               and torch.equal(q.scale.view(torch.uint8), ref_scale.view(torch.uint8)) for q in (fast, slow))
+    del ref_data, ref_scale, fast, slow
+    t_triton, t_gluon = triton_only(lambda: ms(call)), ms(call)
+    least = 3 * (x.shape[0] if rows is None else rows.shape[0]) * x.shape[1]
+    print(f"{label} {recipe:9s} {1e3 * t_triton:9.1f} {1e3 * t_gluon:9.1f} {least / t_triton / 1e6 / copy:7.2f} "
+          f"{least / t_gluon / 1e6 / copy:7.2f} {t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
+
+
+def copy_gbps() -> float:
+    """A device copy's GB/s of 2 GiB, bytes read + written."""
     src = torch.empty(2**30, dtype=torch.int16, device=DEV)
     dst = torch.empty_like(src)
-    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
-    del src, dst
+    return 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+
+
+def main() -> None:
+    copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
     print(f"{'tensor':14s} {'routing':8s} {'recipe':9s} {'triton us':>9s} {'gluon us':>9s} "
           f"{'triton':>7s} {'gluon':>7s} {'speedup':>7s}  (share of the copy)")
@@ -59,36 +79,15 @@ def main() -> None:
         for routing in ("balanced", "skewed"):
             offsets = torch.tensor(group_sizes(E, M, routing, 0, 16), device=DEV).cumsum(0).to(torch.int32)
             for recipe in ("block128", "mxfp8", "rowwise"):
-                call = lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets)  # noqa: E731
-                fast, slow = call(), triton_only(call)
-                ref_data, ref_scale = reference.quantize(x, get_recipe(recipe), 0, offsets)
-                same = all(torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8))
-                           and torch.equal(q.scale.view(torch.uint8), ref_scale.view(torch.uint8)) for q in (fast, slow))
-                del ref_data, ref_scale
-                t_triton, t_gluon = triton_only(lambda: ms(call)), ms(call)
-                least = 3 * M * K
-                print(f"{name:14s} {routing:8s} {recipe:9s} {1e3 * t_triton:9.1f} {1e3 * t_gluon:9.1f} "
-                      f"{least / t_triton / 1e6 / copy:7.2f} {least / t_gluon / 1e6 / copy:7.2f} "
-                      f"{t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
+                compare(f"{name:14s} {routing:8s}", x, recipe, offsets, copy)
         del x
     print("\nthe permuted copies of a layer's tokens, read by index (rows=): T tokens, top-k, M = T k rows")
     for name, E, T, k, K in [("qwen3 x", 128, 8192, 8, 2048), ("dsv3 x", 32, 4096, 8, 7168), ("mixtral x", 4, 8192, 2, 4096)]:
         tokens = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
-        M = T * k
-        rows = torch.randint(0, T, (M,), device=DEV)
-        offsets = torch.tensor(group_sizes(E, M, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
+        rows = torch.randint(0, T, (T * k,), device=DEV)
+        offsets = torch.tensor(group_sizes(E, T * k, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
         for recipe in ("block128", "mxfp8", "rowwise"):
-            call = lambda: dropless.quantize(tokens, recipe, dim=0, offsets=offsets, rows=rows)  # noqa: E731
-            fast, slow = call(), triton_only(call)
-            ref_data, ref_scale = reference.quantize(tokens[rows], get_recipe(recipe), 0, offsets)
-            same = all(torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8))
-                       and torch.equal(q.scale.view(torch.uint8), ref_scale.view(torch.uint8)) for q in (fast, slow))
-            del ref_data, ref_scale
-            t_triton, t_gluon = triton_only(lambda: ms(call)), ms(call)
-            least = 3 * M * K
-            print(f"{name:14s} {'gather':8s} {recipe:9s} {1e3 * t_triton:9.1f} {1e3 * t_gluon:9.1f} "
-                  f"{least / t_triton / 1e6 / copy:7.2f} {least / t_gluon / 1e6 / copy:7.2f} "
-                  f"{t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
+            compare(f"{name:14s} {'gather':8s}", tokens, recipe, offsets, copy, rows)
         del tokens
 
 
