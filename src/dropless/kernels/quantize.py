@@ -31,6 +31,9 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   registers when they are a power of two up to 8192 long; others it walks twice in steps, once for the
   amax and once to write (the second read from L1 or L2).
 
+On an sm_90 GPU a 16-bit x that TMA can read, quantized per group along the tokens (directly or by
+index), goes to ``quantize_hopper``'s Gluon kernel instead, which writes the same bytes.
+
 The interpreter's own float-to-fp8 cast rounds ties away from zero and mishandles mantissa carries, so
 under ``TRITON_INTERPRET=1`` the kernels round to e4m3 with integer operations (``EMULATE_FP8``); on
 the GPU the cast is the hardware's ``cvt.rn.satfinite``.
@@ -460,8 +463,9 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     ``(recipe, dim, offsets)``, fp32 or float8_e8m0fnu (mxfp8).
     offsets: int32/int64 ``[E]`` cumulative group ends (2D x, dim 0, not block128x128), read on the
     device: nothing syncs. Every element of data and scale is written. Rowwise along the last dim of a
-    2D x reads each row block twice in one program; other rowwise cases run two launches over a zeroed
-    int32 amax buffer they allocate (``[E or 1, K]`` along the tokens).
+    2D x reads each row block twice in one program; per group on the Gluon kernel, each group's strip
+    twice in one program; other rowwise cases run two launches over a zeroed int32 amax buffer they
+    allocate (``[E or 1, K]`` along the tokens).
     rows: int32/int64 ``[M']`` (2D x, dim 0 with offsets): quantize ``x[rows]`` (data and scale shaped for
     M' rows), each row read by index from x: the permuted rows of a layer, never written in x's dtype.
     bound: int ``[1]`` on x's device (2D x, not block128x128), read there: rows from ``bound[0]`` on are
