@@ -602,7 +602,7 @@ def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
     ([33, 1, 130, 31, 5], 200, 72),  # starts at every phase of the blocks
     (_skewed_sizes(200, 9000, 0), 9000, 200),  # more tiles than programs, a group table of 256
 ])
-@pytest.mark.parametrize("tail, gather", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("tail, gather", [(True, False), (False, False), (True, True), (False, True)])
 def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gather):
     """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``), bit for bit the
     reference, NaN and infinities included, every element of the poisoned outputs written; with
