@@ -514,6 +514,18 @@ def test_rows_by_index_give_the_gathered_operand_bits(backend, name, opts, sizes
     assert_same(q, *reference_q(x[rows], name, opts, 0, offsets), f"{name} {sizes}")
 
 
+def test_rows_given_as_a_strided_view(triton_backend):
+    """Row indices in a view with a stride other than 1 (every other entry of a longer vector) are read
+    as the indices they are, not as the memory behind them."""
+    x = planted((40, 72), torch.float32, triton_backend)
+    every_other = torch.randint(0, 40, (2 * 90,), device=triton_backend)
+    rows = every_other[::2]
+    offsets = offsets_of([30, 0, 55], triton_backend)
+    for name in ("rowwise", "block128"):
+        q = dropless.quantize(x, name, 0, offsets, rows=rows)
+        assert_same(q, *reference_q(x[rows], name, {}, 0, offsets), name)
+
+
 @pytest.mark.parametrize("name", ["rowwise", "mxfp8"])
 def test_rows_kernel_writes_every_element(name):
     recipe = get_recipe(name)

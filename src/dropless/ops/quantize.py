@@ -222,6 +222,7 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
             raise ValueError(f"rows must be a 1D int32/int64 tensor of row indices, got {rows.dtype} of shape "
                              f"{tuple(rows.shape)}")
         check_same_device(x.device, rows=rows)
+        rows = rows.contiguous()  # the kernels read the indices as a contiguous vector
     M = x.shape[0] if rows is None else rows.shape[0]
     if not tail and offsets is None:
         raise ValueError("tail=False needs offsets: the rows past offsets[-1] are the ones left unwritten")
