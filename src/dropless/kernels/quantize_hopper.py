@@ -92,7 +92,7 @@ def _tile_range(tiles):
 @gluon.jit
 def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
             GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of the program's tiles that have rows in their group, into the stage ring."""
+    """Loads (``_load``) of the program's tiles that have rows in their group, into the stage ring."""
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
     slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, LOADER_WARPS)
@@ -342,11 +342,15 @@ _LAUNCH = DirectLaunch(_quantize_groups_kernel)
 def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recipe, rows: torch.Tensor | None) -> bool:
     """Whether the Gluon kernel quantizes ``x [M, K]`` (or ``x[rows]``) per group along the tokens into
     ``data`` (a ``[Mp, K]`` view of ``[K, Mp]`` storage): a 16-bit x that TMA reads on an sm_90 GPU, a
-    non-empty operand, a recipe other than block128x128."""
+    non-empty operand, a recipe other than block128x128, and few enough tiles that a program's share of
+    them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 8 million rows at K = 7168)."""
     M = x.shape[0] if rows is None else rows.shape[0]
-    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and not recipe.tile
-            and M > 0 and x.shape[0] > 0 and x.shape[1] > 0
-            and hopper_gluon_device(x.device) and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
+    if not (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and not recipe.tile
+            and M > 0 and x.shape[0] > 0 and x.shape[1] > 0 and hopper_gluon_device(x.device)):
+        return False
+    tiles = data.shape[0] // GROUP_ALIGN * cdiv(x.shape[1], COLUMNS.value)
+    return (tiles * PROGRAMS_PER_SM * launch_info(x.device).num_programs < 2**31
+            and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
 
 
 def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe,
