@@ -343,7 +343,7 @@ def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recip
     """Whether the Gluon kernel quantizes ``x [M, K]`` (or ``x[rows]``) per group along the tokens into
     ``data`` (a ``[Mp, K]`` view of ``[K, Mp]`` storage): a 16-bit x that TMA reads on an sm_90 GPU, a
     non-empty operand, a recipe other than block128x128, and few enough tiles that a program's share of
-    them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 8 million rows at K = 7168)."""
+    them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 9 million rows at K = 7168)."""
     M = x.shape[0] if rows is None else rows.shape[0]
     if not (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and not recipe.tile
             and M > 0 and x.shape[0] > 0 and x.shape[1] > 0 and hopper_gluon_device(x.device)):
