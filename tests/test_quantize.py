@@ -16,6 +16,7 @@ from conftest import CUDA, KERNEL_DEVICE, bounds_of, data_rows_of, make_w, offse
 
 import dropless
 from dropless import reference
+from dropless.bench.routing import group_sizes
 from dropless.kernels import quantize as quantize_kernels
 from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
 from dropless.ops.quantize import check_quantized, empty_quantized, quantize_pair
@@ -596,14 +597,6 @@ def test_bound_writes_the_groups_rows_and_leaves_the_tail(name, opts, dim, sizes
     assert untouched(data[written:]) and untouched(scale[scale_rows:])
 
 
-def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
-    """E group sizes summing to at most M: a few large groups, many small or empty ones."""
-    g = torch.Generator().manual_seed(seed)
-    weights = torch.rand(E, generator=g) ** 4 * (torch.rand(E, generator=g) > 0.3)
-    sizes = (weights / weights.sum() * (M - 7)).floor().long().tolist()
-    return sizes
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -612,7 +605,7 @@ def _skewed_sizes(E: int, M: int, seed: int) -> list[int]:
     ([190], 200, 136),  # one giant group, 10 rows past offsets[-1]
     ([0, 0, 0], 37, 64),  # no rows in any group
     ([33, 1, 130, 31, 5], 200, 72),  # starts at every phase of the blocks
-    (_skewed_sizes(200, 9000, 0), 9000, 200),  # more tiles than programs, a group table of 256
+    (group_sizes(200, 8993, "skewed"), 9000, 200),  # more tiles than programs, a group table of 256, a tail
 ])
 @pytest.mark.parametrize("tail, gather", [(True, False), (False, False), (True, True), (False, True)])
 def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gather):

@@ -86,6 +86,13 @@ def group_bounds(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr, R
 
 
 @gluon.jit
+def pick(values, index):
+    """``values[index]`` of a register vector (a group table)."""
+    e = gl.arange(0, values.shape[0], layout=values.type.layout)
+    return gl.sum(gl.where(e == index, values, 0), axis=0)
+
+
+@gluon.jit
 def stage_barriers(STAGES: gl.constexpr, readers: gl.constexpr = 1, arrivals: gl.constexpr = 1):
     """Per stage of a ring, a ``ready`` barrier (it was filled: ``arrivals`` arrivals, such as a TMA
     expect and each thread's asynchronous-copy arrive) and an ``empty`` one (each of its ``readers``

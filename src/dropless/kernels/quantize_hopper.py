@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from dropless.kernels import fp8_math
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.hopper import descriptor, group_bounds, group_layout, release, stage_barriers
-from dropless.kernels.launch import LaunchInfo, cdiv, hopper_gluon_device, launch_info, next_power_of_2
+from dropless.kernels.hopper import descriptor, group_bounds, group_layout, pick, release, stage_barriers
+from dropless.kernels.launch import LaunchInfo, cdiv, hopper_kernels_ok, launch_info, next_power_of_2
 from dropless.quantized import GROUP_ALIGN, Recipe
 
 ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of the per-group data
@@ -58,25 +58,18 @@ def _group_table(offsets_ptr, E, M, E_POW2: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _pick(values, index, E_POW2: gl.constexpr, WARPS: gl.constexpr):
-    """``values[index]`` of a group vector."""
-    e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, WARPS, True))
-    return gl.sum(gl.where(e == index, values, 0), axis=0)
-
-
-@gluon.jit
-def _slot(slot, starts, ends, firsts, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+def _slot(slot, starts, ends, firsts):
     """Slot -> (its group, its place in the group, the group's first row and end)."""
     group = gl.sum((firsts <= slot).to(gl.int32), axis=0) - 1
-    local = slot - _pick(firsts, group, E_POW2, WARPS)
-    return group, local, _pick(starts, group, E_POW2, WARPS), _pick(ends, group, E_POW2, WARPS)
+    local = slot - pick(firsts, group)
+    return group, local, pick(starts, group), pick(ends, group)
 
 
 @gluon.jit
-def _slots_to_run(firsts, E, SLOTS, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+def _slots_to_run(firsts, E, SLOTS, BOUNDED: gl.constexpr):
     """All the slots, or with BOUNDED those before the tail's first."""
     if BOUNDED:
-        slots = _pick(firsts, E, E_POW2, WARPS)
+        slots = pick(firsts, E)
     else:
         slots = SLOTS
     return slots
@@ -95,15 +88,15 @@ def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr
     """Loads (``_load``) of the program's tiles that have rows in their group, into the stage ring."""
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
-    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, LOADER_WARPS)
+    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED)
     first, last = _tile_range(slots * col_tiles)
     looked_up = first // col_tiles
-    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, LOADER_WARPS)
+    group, local, start, end = _slot(looked_up, starts, ends, firsts)
     step = 0
     for tile in range(first, last):
         slot = tile // col_tiles
         if slot != looked_up:
-            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, LOADER_WARPS)
+            group, local, start, end = _slot(slot, starts, ends, firsts)
             looked_up = slot
         row0 = start + local * ROWS
         if (row0 < end) & (group < E):
@@ -123,8 +116,8 @@ def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offse
     for strip in range(gl.program_id(0), E * col_tiles, gl.num_programs(0)):
         group = strip // col_tiles
         col0 = (strip - group * col_tiles) * COLUMNS
-        start = _pick(starts, group, E_POW2, LOADER_WARPS)
-        end = _pick(ends, group, E_POW2, LOADER_WARPS)
+        start = pick(starts, group)
+        end = pick(ends, group)
         for _ in range(2):
             for row0 in range(start, end, ROWS):
                 _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER, STAGES)
@@ -208,18 +201,18 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
     layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
     col_tiles = gl.cdiv(C, COLUMNS)
-    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED, E_POW2, num_warps)
+    slots = _slots_to_run(firsts, E, SLOTS, BOUNDED)
     _fill_zeros(zero_buf, layout)
     step = 0
     written = 0
     first, last = _tile_range(slots * col_tiles)
     looked_up = first // col_tiles
-    group, local, start, end = _slot(looked_up, starts, ends, firsts, E_POW2, num_warps)
+    group, local, start, end = _slot(looked_up, starts, ends, firsts)
     for tile in range(first, last):
         slot = tile // col_tiles
         col0 = (tile - slot * col_tiles) * COLUMNS
         if slot != looked_up:
-            group, local, start, end = _slot(slot, starts, ends, firsts, E_POW2, num_warps)
+            group, local, start, end = _slot(slot, starts, ends, firsts)
             looked_up = slot
         row0 = start + local * ROWS
         live = (row0 < end) & (group < E)
@@ -283,12 +276,12 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_pt
     for strip in range(gl.program_id(0), strips, gl.num_programs(0)):
         group = strip // col_tiles
         col0 = (strip - group * col_tiles) * COLUMNS
-        start = _pick(starts, group, E_POW2, num_warps)
-        first = _pick(firsts, group, E_POW2, num_warps)
+        start = pick(starts, group)
+        first = pick(firsts, group)
         routed = group < E
         # The tail's rows are not read: its data is zeros.
-        end = gl.where(routed, _pick(ends, group, E_POW2, num_warps), start)
-        slots_end = gl.where(routed, _pick(firsts, group + 1, E_POW2, num_warps), SLOTS)
+        end = gl.where(routed, pick(ends, group), start)
+        slots_end = gl.where(routed, pick(firsts, group + 1), SLOTS)
         amax = gl.zeros([COLUMNS], gl.float32, gl.SliceLayout(0, layout))
         for row0 in range(start, end, ROWS):
             amax = gl.maximum(amax, _column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
@@ -345,12 +338,10 @@ def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recip
     non-empty operand, a recipe other than block128x128, and few enough tiles that a program's share of
     them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 9 million rows at K = 7168)."""
     M = x.shape[0] if rows is None else rows.shape[0]
-    if not (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and not recipe.tile
-            and M > 0 and x.shape[0] > 0 and x.shape[1] > 0 and hopper_gluon_device(x.device)):
+    if not (x.dim() == 2 and not recipe.tile and M > 0 and hopper_kernels_ok(x) and LaunchInfo.tma_ok(data.t())):
         return False
     tiles = data.shape[0] // GROUP_ALIGN * cdiv(x.shape[1], COLUMNS.value)
-    return (tiles * PROGRAMS_PER_SM * launch_info(x.device).num_programs < 2**31
-            and LaunchInfo.tma_ok(x) and LaunchInfo.tma_ok(data.t()))
+    return tiles * PROGRAMS_PER_SM * launch_info(x.device).num_programs < 2**31
 
 
 def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe,

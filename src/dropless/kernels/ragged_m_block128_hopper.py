@@ -57,11 +57,11 @@ def _half(c_desc, c_ptr, stride_cm, sb_ptr, stride_sbe, stride_sbk, stride_sbn,
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, WARPS)
-    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, WARPS)
+    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL)
     step = 0
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
-                                         GROUP_M, E_POW2, WARPS)
+                                         GROUP_M)
         first = row0 + HALF * HALF_M
         rows = first + gl.arange(0, HALF_M, layout=row_layout)
         live = rows < end

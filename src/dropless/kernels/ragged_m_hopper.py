@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, raster, release, stage_barriers
+from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, pick, raster, release, stage_barriers
 from dropless.kernels.launch import cdiv, next_power_of_2, weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
@@ -47,12 +47,6 @@ def _scan_add(a, b):
 
 
 @gluon.jit
-def _pick(values, index, layout: gl.constexpr, E_POW2: gl.constexpr):
-    """``values[index]`` of a register vector."""
-    return gl.sum(gl.where(gl.arange(0, E_POW2, layout=layout) == index, values, 0), axis=0)
-
-
-@gluon.jit
 def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, E_POW2: gl.constexpr,
                  WARPS: gl.constexpr):
     """Row ranges ``[starts, ends)`` of the groups (``hopper.group_bounds``; entry E: the unrouted
@@ -63,24 +57,23 @@ def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+def _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL: gl.constexpr):
     """The tiles the programs share: every group's and, with ZERO_TAIL, the unrouted tail's (its zeros)."""
     if ZERO_TAIL:
         total = gl.sum(tiles, axis=0)
     else:
-        total = _pick(tiles_end, E - 1, gl.BlockedLayout([1], [32], [WARPS], [0]), E_POW2)
+        total = pick(tiles_end, E - 1)
     return total
 
 
 @gluon.jit
 def _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            GROUP_M: gl.constexpr, E_POW2: gl.constexpr, WARPS: gl.constexpr):
+            GROUP_M: gl.constexpr):
     """Tile number -> (group, first row, group end, first column)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     group = gl.sum((tiles_end <= tile_id).to(gl.int32), axis=0)
-    start = _pick(starts, group, layout, E_POW2)
-    end = _pick(ends, group, layout, E_POW2)
-    local = tile_id - _pick(tiles_end - tiles, group, layout, E_POW2)
+    start = pick(starts, group)
+    end = pick(ends, group)
+    local = tile_id - pick(tiles_end - tiles, group)
     pid_m, pid_n = raster(local, gl.cdiv(end - start, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
     return group, start + pid_m * BLOCK_M, end, pid_n * BLOCK_N
 
@@ -94,11 +87,11 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, N, K, 
     each step's column of the row scales, ``sa[rows, k0 // BLOCK_K]`` (0 past the group), into ``s_bufs
     [STAGES, BLOCK_M]`` by each thread's asynchronous copies, whose arrivals the ready barriers count."""
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, LOADER_WARPS)
-    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, LOADER_WARPS)
+    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL)
     step = 0
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
-                                         GROUP_M, E_POW2, LOADER_WARPS)
+                                         GROUP_M)
         # The unrouted tail has no weight: nothing to load, its tiles are zeros.
         k_end = gl.where(group < E, K, 0)
         if STEP_SCALES:
@@ -163,12 +156,12 @@ def _compute(c_desc, c_ptr, stride_cm, sa_ptr, sb_ptr, stride_sbe, a_bufs, b_buf
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_N, INSTR_K])
     starts, ends, tiles, tiles_end = _group_table(offsets_ptr, E, M, N, BLOCK_M, BLOCK_N, E_POW2, num_warps)
-    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL, E_POW2, num_warps)
+    total_tiles = _tiles_to_run(tiles, tiles_end, E, ZERO_TAIL)
     step = 0
     held = False  # the previous tile's last stage is still being read by its store
     for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
         group, row0, end, col0 = _locate(tile_id, starts, ends, tiles, tiles_end, N, BLOCK_M, BLOCK_N,
-                                         GROUP_M, E_POW2, num_warps)
+                                         GROUP_M)
         k_end = gl.where(group < E, K, 0)
         if SCALED:
             sa, sb = _scales(sa_ptr, sb_ptr, stride_sbe, group, row0, end, col0, N, E, acc_layout, BLOCK_M, BLOCK_N)
