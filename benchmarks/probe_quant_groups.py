@@ -1,7 +1,7 @@
 """Quantization per group along the tokens: the Gluon kernel (``kernels/quantize_hopper.py``) against the
 Triton tile kernel it replaces for 16-bit x, on the benchmark's activations, one GPU.
 
-    PYTHONPATH=src python benchmarks/probe_quant_groups.py
+    PYTHONPATH=src python benchmarks/probe_quant_groups.py [--recipes block128 mxfp8 rowwise]
 
 For each tensor, routing and recipe: both kernels' outputs compared byte for byte with the reference
 (``dropless.reference.quantize``, run on the GPU), then the GB/s of the
@@ -14,6 +14,7 @@ bytes of the copies (a row read per copy).
 
 from __future__ import annotations
 
+import argparse
 import os
 
 os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
@@ -70,6 +71,9 @@ def copy_gbps() -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipes", nargs="+", default=["block128", "mxfp8", "rowwise"])
+    recipes = parser.parse_args().recipes
     copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
     print(f"{'tensor':14s} {'routing':8s} {'recipe':9s} {'triton us':>9s} {'gluon us':>9s} "
@@ -78,7 +82,7 @@ def main() -> None:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         for routing in ("balanced", "skewed"):
             offsets = torch.tensor(group_sizes(E, M, routing, 0, 16), device=DEV).cumsum(0).to(torch.int32)
-            for recipe in ("block128", "mxfp8", "rowwise"):
+            for recipe in recipes:
                 compare(f"{name:14s} {routing:8s}", x, recipe, offsets, copy)
         del x
     print("\nthe permuted copies of a layer's tokens, read by index (rows=): T tokens, top-k, M = T k rows")
@@ -86,7 +90,7 @@ def main() -> None:
         tokens = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
         rows = torch.randint(0, T, (T * k,), device=DEV)
         offsets = torch.tensor(group_sizes(E, T * k, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
-        for recipe in ("block128", "mxfp8", "rowwise"):
+        for recipe in recipes:
             compare(f"{name:14s} {'gather':8s}", tokens, recipe, offsets, copy, rows)
         del tokens
 

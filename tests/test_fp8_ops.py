@@ -149,6 +149,43 @@ def test_wgrad_accumulates_into_main_grad_with_a_mask(device, recipe):
     assert _rel(main_grad, expected) < _tight(x.device, recipe)
 
 
+def test_column_chunks_bound_the_copy_of_dy():
+    assert grouped_mm_fp8.column_chunks(2048, 1536) == [(0, 1536)]
+    assert grouped_mm_fp8.column_chunks(4096, 28672) == [(n, n + 4096) for n in range(0, 28672, 4096)]
+    assert grouped_mm_fp8.column_chunks(4096, 14336) == [(n, n + 3584) for n in range(0, 14336, 3584)]
+    assert grouped_mm_fp8.column_chunks(2880, 5760) == [(0, 2944), (2944, 5760)]
+    assert grouped_mm_fp8.column_chunks(64, 160) == [(0, 128), (128, 160)]
+    assert grouped_mm_fp8.column_chunks(200, 0) == []
+
+
+@pytest.mark.parametrize("recipe, into", [("rowwise", "w_nk"), ("block128", "main_grad"), ("mxfp8", "w_kn")])
+def test_weight_gradient_by_column_runs(device, recipe, into):
+    """N > K: the backward quantizes dy a run of columns at a time (``column_chunks``); the weight gradient
+    is still the product of x and dy each quantized whole, in every layout it is written to."""
+    sizes, M = [0, 37, 0, 50, 5], 96
+    K, N = 64, 160
+    x, w, dy, offsets = _problem(sizes, M, K, N, device)
+    E = len(sizes)
+    act, _ = operand_recipes(resolve_recipe(recipe))
+    dw_ref = reference.grouped_mm_wgrad(_dq(dropless.quantize(x, act, dim=0, offsets=offsets)),
+                                        _dq(dropless.quantize(dy, act, dim=0, offsets=offsets)), offsets)
+    flags = torch.tensor([True, False, True, True, False], device=device)
+    if into == "main_grad":
+        layer = dropless.GroupedLinear(E, K, N, recipe=recipe, device=device, fuse_wgrad_accumulation=True)
+        before = torch.randn(E, N, K, device=device)
+        layer.weight.main_grad.copy_(before)
+        layer(x, torch.tensor(sizes, device=device), wgrad_accumulation_mask=flags).backward(dy)
+        dw = layer.weight.main_grad.transpose(1, 2)
+        expected = torch.where(flags.view(-1, 1, 1), before.transpose(1, 2).double() + dw_ref, dw_ref)
+    else:
+        w_leaf = (w.transpose(1, 2).contiguous().transpose(1, 2) if into == "w_nk" else w).requires_grad_()
+        y = dropless.grouped_mm(x, w_leaf, offsets, recipe=recipe)
+        (dw,) = torch.autograd.grad(y, (w_leaf,), dy)
+        assert dw.stride() == w_leaf.stride()
+        expected = dw_ref
+    assert _rel(dw, expected) < _tight(x.device, recipe)
+
+
 def test_grouped_linear_reuses_the_weight_quantization(device, monkeypatch):
     calls = []
     original = grouped_mm_fp8.quantize_weight

@@ -573,6 +573,14 @@ def untouched(t: torch.Tensor) -> bool:
     return bool((raw(t) == POISON[t.dtype]).all()) if t.element_size() == 1 else bool(t.isnan().all())
 
 
+def assert_same_bits(data: torch.Tensor, ref_data: torch.Tensor, what: str = "") -> None:
+    """FP8 ``data`` holds the reference's bytes, NaN for NaN (whose sign bit may differ)."""
+    nan = torch.isnan(ref_data.float())
+    assert torch.equal(torch.isnan(data.float()).cpu(), nan), what
+    bad = raw(data).cpu()[~nan] != raw(ref_data)[~nan]
+    assert not bad.any(), f"{what}: {int(bad.sum())} data bytes differ"
+
+
 @pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("sizes, M", [([0, 70, 0, 81], 400), ([0, 0], 130), ([300], 300)])
@@ -634,11 +642,79 @@ def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gat
         routed = sum(sizes)
         written = data_rows_of([*sizes, M - routed], M)[0][-1]
         scale_rows = len(sizes) if recipe.block is None else routed // recipe.block + len(sizes)
-    nan = torch.isnan(ref_data[:written].float())  # NaN for NaN, whose sign bit may differ
-    assert torch.equal(torch.isnan(data[:written].float()).cpu(), nan)
-    assert torch.equal(raw(data[:written]).cpu()[~nan], raw(ref_data[:written])[~nan])
+    assert_same_bits(data[:written], ref_data[:written])
     assert torch.equal(raw(scale[:scale_rows]).cpu(), raw(ref_scale[:scale_rows]))
     assert untouched(data[written:]) and untouched(scale[scale_rows:])
+
+
+WEIGHT_HOPPER_RECIPES = [("mxfp8", {}), ("mxfp8", {"mx_rounding": "rceil"}), ("block128x128", {}),
+                         ("block128x128", {"pow2": True})]
+WEIGHT_HOPPER_IDS = ["mxfp8", "mxfp8-rceil", "block128x128", "block128x128-pow2"]
+
+
+def planted_weight(E: int, K: int, N: int, dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """``planted`` values in ``w [E, K, N]`` on the kernels' device, stored as ``make_w``'s ``layout`` says,
+    with a NaN, an infinity and, in bf16, a slice of magnitudes near 2**100."""
+    storage = planted((E, N, K) if layout == "nk" else (E, K, N), dtype, KERNEL_DEVICE)
+    w = storage.transpose(1, 2) if layout == "nk" else storage
+    w[0, 5, 7] = float("nan")
+    w[-1, 20, 9] = float("inf")
+    if dtype == torch.bfloat16:
+        w[-1, :, 3] *= 2.0**100
+    return w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, opts", WEIGHT_HOPPER_RECIPES, ids=WEIGHT_HOPPER_IDS)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("E, K, N, dtype", [
+    (1, 256, 384, torch.bfloat16),
+    (3, 208, 144, torch.float16),  # neither a multiple of 32: partial blocks and tiles along both dims
+    (8, 1008, 80, torch.bfloat16),  # a last 128x128 tile of one 64-column half along N
+    (3, 4096, 128, torch.float16),
+])
+def test_hopper_weight_kernel_bit_exact(name, opts, layout, E, K, N, dtype):
+    """The Gluon kernel for a 16-bit weight's two orientations (``quantize_weight_hopper``), chosen by
+    ``quantize_weight_3d`` for both storage orders, bit for bit the reference, NaN and infinities
+    included, every element of the poisoned outputs written."""
+    from dropless.kernels.launch import hopper_gluon_device
+    from dropless.kernels.quantize_weight_hopper import quantize_weight_hopper_ok
+
+    if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
+        pytest.skip("needs an sm_90 GPU")
+    recipe = get_recipe(name, **opts)
+    w = planted_weight(E, K, N, dtype, layout)
+    data_k, scale_k = (poison(t) for t in empty_quantized(w.shape, recipe, 1, None, KERNEL_DEVICE))
+    data_n, scale_n = (poison(t) for t in empty_quantized(w.shape, recipe, 2, None, KERNEL_DEVICE))
+    scale_n = scale_k if recipe.tile else scale_n
+    assert quantize_weight_hopper_ok(w, data_k, data_n, recipe)
+    quantize_weight_3d(w, data_k, data_n, scale_k, scale_n, recipe)
+    for data, scale, dim in ((data_k, scale_k, 1), (data_n, scale_n, 2)):
+        ref_data, ref_scale = reference.quantize(w.cpu(), recipe, dim)
+        assert_same_bits(data, ref_data, f"dim {dim}")
+        assert torch.equal(raw(scale).cpu(), raw(ref_scale)), f"dim {dim} scales"
+
+
+def test_hopper_weight_kernel_refuses():
+    """Weights the Gluon kernel does not take stay on the Triton kernels: rowwise and block128, fp32, K
+    not a multiple of 16 (the FP8 data's rows would not be 16-byte aligned for TMA), storage in neither
+    order, no elements; and everything off an sm_90 GPU or under the interpreter."""
+    from dropless.kernels.launch import hopper_gluon_device
+    from dropless.kernels.quantize_weight_hopper import quantize_weight_hopper_ok
+
+    def ok(w: torch.Tensor, name: str) -> bool:
+        recipe = get_recipe(name)
+        data_k, _ = empty_quantized(w.shape, recipe, 1, None, w.device)
+        data_n, _ = empty_quantized(w.shape, recipe, 2, None, w.device)
+        return quantize_weight_hopper_ok(w, data_k, data_n, recipe)
+
+    w = make_w(3, 256, 128, torch.bfloat16, KERNEL_DEVICE)
+    assert ok(w, "mxfp8") == (CUDA and hopper_gluon_device(KERNEL_DEVICE))
+    assert not ok(w, "rowwise") and not ok(w, "block128")
+    assert not ok(w.float(), "mxfp8")
+    assert not ok(make_w(3, 200, 128, torch.bfloat16, KERNEL_DEVICE), "block128x128")
+    assert not ok(torch.randn(256, 128, 3, dtype=torch.bfloat16, device=KERNEL_DEVICE).permute(2, 0, 1), "mxfp8")
+    assert not ok(make_w(3, 0, 128, torch.bfloat16, KERNEL_DEVICE), "mxfp8")
 
 
 def test_tail_errors_name_the_argument():

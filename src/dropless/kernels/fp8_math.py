@@ -106,7 +106,7 @@ def quotient(v, scale):
     rem = tl.math.fma(-q, s, v)
     y = tl.where((rem == 0.0) | (rem != rem), q, tl.math.fma(rem, r, q))
     outside = ((scale < QUOTIENT_LOW) | (scale > QUOTIENT_HIGH)).to(tl.int32)
-    if outside.numel > 1:
+    if outside.type.is_block():
         outside = tl.max(tl.reshape(outside, [outside.numel]), axis=0)
     if outside > 0:
         y = tl.math.div_rn(v, s)

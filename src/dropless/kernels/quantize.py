@@ -32,7 +32,8 @@ any strides. Each program addresses its tile from 64-bit scalar bases with 32-bi
   amax and once to write (the second read from L1 or L2).
 
 On an sm_90 GPU a 16-bit x that TMA can read, quantized per group along the tokens (directly or by
-index), goes to ``quantize_hopper``'s Gluon kernel instead, which writes the same bytes.
+index), goes to ``quantize_hopper``'s Gluon kernel instead, and a 16-bit weight's two orientations
+(mxfp8, block128x128) to ``quantize_weight_hopper``'s; both write the same bytes.
 
 The interpreter's own float-to-fp8 cast rounds ties away from zero and mishandles mantissa carries, so
 under ``TRITON_INTERPRET=1`` the kernels round to e4m3 with integer operations (``EMULATE_FP8``); on
@@ -49,6 +50,7 @@ from dropless.kernels.fp8_math import E8M0_ONE, block_scale, magnitude, to_fp8
 from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize_hopper import quantize_groups_hopper, quantize_groups_hopper_ok
+from dropless.kernels.quantize_weight_hopper import quantize_weight_hopper, quantize_weight_hopper_ok
 from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows, grouped_scale_rows
 
 _GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of per-group data starts at a multiple of it
@@ -522,8 +524,13 @@ def quantize_weight_3d(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tens
     float8_e4m3fn ``[E, K, N]`` contiguous. scale_k / scale_n: their scales as ``dropless.quantized``
     lays them out (dims 1 and 2); block128x128 writes its one scale per tile into ``scale_k`` and leaves
     ``scale_n`` alone (pass the same tensor). Rowwise reads w twice (the amax along both dims first, into
-    int32 buffers ``[E, N]`` and ``[E, K]`` it allocates); the other recipes read it once. Programs cover
-    ``E * tiles``: the time per byte does not depend on E. Nothing syncs.
+    int32 buffers ``[E, N]`` and ``[E, K]`` it allocates); the other recipes read it once, on an sm_90 GPU
+    through the Gluon kernel where ``quantize_weight_hopper_ok`` says so. Programs cover ``E * tiles``:
+    the time per byte does not depend on E. Nothing syncs.
     """
     launch_info(w.device)
-    _launch_tiles(w, recipe, data_r=data_k, scale_r=scale_k, data_c=data_n, scale_c=None if recipe.tile else scale_n)
+    if quantize_weight_hopper_ok(w, data_k, data_n, recipe):
+        quantize_weight_hopper(w, data_k, data_n, _raw(scale_k), _raw(scale_k if recipe.tile else scale_n), recipe)
+    else:
+        _launch_tiles(w, recipe, data_r=data_k, scale_r=scale_k, data_c=data_n,
+                      scale_c=None if recipe.tile else scale_n)

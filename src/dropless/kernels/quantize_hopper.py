@@ -42,6 +42,12 @@ ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of 
 COLUMNS: gl.constexpr = gl.constexpr(64)  # columns a tile: 128 bytes of a 16-bit x
 STAGES = 4
 PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
+# A register target of 128 a thread for the kernel's 256 threads, so that two programs share a
+# multiprocessor (warp_specialize's default target is the whole register file, 255 a thread: one
+# program): 1.05-1.5x on the blockwise recipes and on gathered rows, whose loads then have twice the
+# copies in flight; rowwise strips read by TMA keep one program, whose strips' second read is served by
+# L2 only while the strips in flight fit in it (benchmarks/NOTES.md, v30).
+MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
 
 _block_scale = gluon.jit(fp8_math.block_scale.fn)
@@ -151,14 +157,25 @@ def _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0
 
 
 @gluon.jit
-def _take(x_bufs, ready, empty, step, row0, end, layout: gl.constexpr, STAGES: gl.constexpr):
-    """The tile of ``step`` from its stage, as fp32 in ``layout`` with the rows past the group's end made
-    zeros; the stage goes back to the loader."""
+def stage_values(x_bufs, ready, step, layout: gl.constexpr, STAGES: gl.constexpr):
+    """The tile of ``step`` from its stage, once loaded, in ``layout``."""
     stage = step % STAGES
     mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-    v = x_bufs.index(stage).load(layout)
+    return x_bufs.index(stage).load(layout)
+
+
+@gluon.jit
+def take_stage(x_bufs, ready, empty, step, layout: gl.constexpr, STAGES: gl.constexpr):
+    """``stage_values`` as fp32, the stage given back to the loader."""
+    v = stage_values(x_bufs, ready, step, layout, STAGES)
     release(empty, step, STAGES)
-    v = v.to(gl.float32)
+    return v.to(gl.float32)
+
+
+@gluon.jit
+def _take(x_bufs, ready, empty, step, row0, end, layout: gl.constexpr, STAGES: gl.constexpr):
+    """``take_stage`` with the rows past the group's end made zeros."""
+    v = take_stage(x_bufs, ready, empty, step, layout, STAGES)
     if row0 + ROWS > end:
         rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         v = gl.where((rows < end - row0)[:, None], v, 0.0)
@@ -166,7 +183,7 @@ def _take(x_bufs, ready, empty, step, row0, end, layout: gl.constexpr, STAGES: g
 
 
 @gluon.jit
-def _column_amax(v, axis: gl.constexpr):
+def column_amax(v, axis: gl.constexpr):
     """``max |v|`` along ``axis``, NaN counted as 0 (``fp8_math.magnitude``'s rule: maxnum skips NaN, and
     a column of NaN only gives NaN, which the last maximum with 0 turns into 0)."""
     return gl.maximum(gl.max(gl.abs(v), axis=axis), 0.0)
@@ -220,7 +237,7 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
             v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
             step += 1
             v3 = v.reshape([ROWS // BLOCK, BLOCK, COLUMNS])
-            scale = _block_scale(_column_amax(v3, 1), MX, POW2, RCEIL)
+            scale = _block_scale(column_amax(v3, 1), MX, POW2, RCEIL)
             q = _to_fp8(v3, scale[:, None, :], MX, False).reshape([ROWS, COLUMNS])
             _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, SCALE_ROWS, BLOCK, MX)
             _send(q, out_bufs, written, data_desc, col0, slot * ROWS)
@@ -284,7 +301,7 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_pt
         slots_end = gl.where(routed, pick(firsts, group + 1), SLOTS)
         amax = gl.zeros([COLUMNS], gl.float32, gl.SliceLayout(0, layout))
         for row0 in range(start, end, ROWS):
-            amax = gl.maximum(amax, _column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
+            amax = gl.maximum(amax, column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
             step += 1
         scale = _block_scale(amax, False, POW2, False)
         gl.store(scale_ptr + group * C + col0 + cols, scale, mask=(cols < C - col0) & routed)
@@ -363,4 +380,5 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
             stride_x=x.stride(0), data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale,
             offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0,
             MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
-            GATHER=rows is not None, BOUNDED=bounded, E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4)
+            GATHER=rows is not None, BOUNDED=bounded, E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4,
+            maxnreg=MAX_REGISTERS if recipe.block is not None or rows is not None else None)

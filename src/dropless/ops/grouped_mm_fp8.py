@@ -13,7 +13,9 @@ reads group sizes on the host. The wgrad's operands are quantized per group alon
 group starting at a 128-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
 its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
 (backward) are needed, the copy along the tokens is made after the product that reads the other is
-done, so the two never coexist. Rows past the last group (a buffer sized for the most rows a rank can
+done, so the two never coexist, and where dy is wider than x (N > K, a gate/up projection) the weight
+gradient takes dy's columns in runs of K, each quantized when its product runs, so that the copy the
+backward holds at its peak (with the weight gradient) is no larger than x's. Rows past the last group (a buffer sized for the most rows a rank can
 receive) are neither quantized (``quantize(..., tail=False)``) nor multiplied: the products write their
 zeros only.
 """
@@ -24,7 +26,7 @@ import torch
 
 from dropless import reference
 from dropless.backend import use_triton
-from dropless.kernels.launch import weight_nk
+from dropless.kernels.launch import cdiv, weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
@@ -196,6 +198,7 @@ class Fp8GroupedMM(torch.autograd.Function):
         ctx.main_grad = main_grad
         ctx.w_nk = weight_nk(w)
         ctx.w_dtype = w.dtype
+        ctx.w_shape = tuple(w.shape)
         saved = (xt.data, xt.scale) if xt is not None else (None, None)
         ctx.save_for_backward(offsets, wn_data, wn_scale, accumulate, *saved)
         return y
@@ -215,14 +218,50 @@ class Fp8GroupedMM(torch.autograd.Function):
                 dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
             del dyq
         if ctx.wants_wgrad:
-            dyt = quantize(dy, act, dim=0, offsets=offsets, tail=False)
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
+            runs = column_runs(xt.shape[1], dy.shape[1])
             if ctx.main_grad is not None:
-                quantized_wgrad(xt, dyt, offsets, recipe, ctx.main_grad, accumulate, True, torch.float32)
+                wgrad_by_columns(xt, dy, offsets, recipe, ctx.main_grad, accumulate, True, runs)
+            elif ctx.needs_input_grad[1] and len(runs) > 1:
+                E, K, N = ctx.w_shape
+                dw = torch.empty((E, N, K) if ctx.w_nk else (E, K, N), dtype=ctx.w_dtype, device=dy.device)
+                dw = dw.transpose(1, 2) if ctx.w_nk else dw
+                wgrad_by_columns(xt, dy, offsets, recipe, dw, None, False, runs)
             elif ctx.needs_input_grad[1]:
+                dyt = quantize(dy, act, dim=0, offsets=offsets, tail=False)
                 dw = quantized_wgrad(xt, dyt, offsets, recipe, None, None, False, ctx.w_dtype, ctx.w_nk)
                 dw = dw.transpose(1, 2) if ctx.w_nk else dw
         return dx, dw, *([None] * 13)
+
+
+def column_chunks(K: int, N: int) -> list[tuple[int, int]]:
+    """Column ranges of dy for the weight gradient: all N at once where N <= K, else ``cdiv(N, K)`` runs
+    of one width rounded up to a multiple of 128, so that dy's copy quantized along the tokens is about
+    as large as x's at most, which the backward already holds."""
+    if N <= K:
+        return [(0, N)] if N else []
+    step = cdiv(cdiv(N, cdiv(N, max(K, 1))), GROUP_ALIGN) * GROUP_ALIGN
+    return [(n0, min(n0 + step, N)) for n0 in range(0, N, step)]
+
+
+def column_runs(K: int, N: int) -> list[tuple[int, int]]:
+    """``column_chunks``, or all N at once in a compiled graph, which plans its own buffers (and whose
+    inductor takes no custom op writing into a slice of a tensor)."""
+    return [(0, N)] if torch.compiler.is_compiling() else column_chunks(K, N)
+
+
+def wgrad_by_columns(xt: QuantizedTensor, dy: torch.Tensor, offsets: torch.Tensor, recipe: Recipe,
+                     out: torch.Tensor, flags: torch.Tensor | None, accumulate: bool,
+                     runs: list[tuple[int, int]]) -> None:
+    """``out[e] (+)= xt_e^T dy_e`` into ``out [E, K, N]`` (any strides; accumulation as
+    ``quantized_wgrad``'s) for x already quantized per group along the tokens and dy ``[M, N]`` quantized
+    here, a run of its columns at a time: every scale is per column, so the runs give the bytes of one
+    call, and the backward's peak holds one run's copy."""
+    act, _ = operand_recipes(recipe)
+    for n0, n1 in runs:
+        whole = (n0, n1) == (0, dy.shape[1])
+        dyt = quantize(dy if whole else dy[:, n0:n1], act, dim=0, offsets=offsets, tail=False)
+        quantized_wgrad(xt, dyt, offsets, recipe, out if whole else out[:, :, n0:n1], flags, accumulate, out.dtype)
 
 
 def _fp8_capable(device: torch.device) -> None:

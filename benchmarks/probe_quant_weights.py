@@ -1,0 +1,80 @@
+"""A weight's two orientations on one GPU: the Gluon kernel (``kernels/quantize_weight_hopper.py``)
+against the Triton tile kernels it replaces, over E, both storage orders, mxfp8 and block128x128.
+
+    PYTHONPATH=src python benchmarks/probe_quant_weights.py
+
+GB/s of the bytes each call must move at the least (the bf16 weight read once, both FP8 copies
+written: 4 bytes an element; the scales are left out), and that as a share of a device copy's (bytes
+read + written). The bar: 0.8 of the copy, the same share for every E. Each call is timed twice: called
+from Python (``do_bench``, the host's time per call included where it is longer than the GPU's) and
+replayed from a CUDA graph of 20 calls (the GPU's time alone). Each Gluon call's outputs are checked
+against the Triton kernels' byte for byte first.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
+
+import torch
+from triton.testing import do_bench
+
+import dropless
+from dropless.kernels import quantize as qk
+
+DEV = torch.device("cuda")
+K, N = 2048, 1536  # a Qwen3-30B-A3B expert's up projection, [E, N, K] as nn.Linear stores it
+
+
+def ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=30, return_mode="median")
+
+
+def triton_kernels(fn):
+    """``fn`` run with the Gluon kernel refused, so that the Triton tile kernels run."""
+    original = qk.quantize_weight_hopper_ok
+    qk.quantize_weight_hopper_ok = lambda *args: False
+    try:
+        return fn()
+    finally:
+        qk.quantize_weight_hopper_ok = original
+
+
+def same_bytes(a, b) -> bool:
+    return all(torch.equal(x.data.view(torch.uint8), y.data.view(torch.uint8))
+               and torch.equal(x.scale.view(torch.uint8), y.scale.view(torch.uint8)) for x, y in zip(a, b))
+
+
+def main() -> None:
+    src = torch.empty(2**30, dtype=torch.int16, device=DEV)
+    dst = torch.empty_like(src)
+    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written); K={K} N={N}")
+    del src, dst
+    print(f"{'':24s} {'Gluon':>7s} {'graphed':>7s} {'Triton':>7s} {'graphed':>7s}  (share of the copy)")
+    for E in (8, 32, 128, 256):
+        for layout in ("nk", "kn"):
+            w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16)
+            w = w.transpose(1, 2) if layout == "nk" else w.view(E, K, N)
+            for recipe in ("mxfp8", "block128x128"):
+                call = lambda: dropless.quantize_weight(w, recipe)  # noqa: E731
+                assert same_bytes(call(), triton_kernels(call)), (E, layout, recipe)
+                shares = [4 * w.numel() / t / 1e6 / copy for t in (
+                    ms(call), graphed_ms(call), triton_kernels(lambda: ms(call)), triton_kernels(lambda: graphed_ms(call)))]
+                print(f"E={E:<4d}{layout} {recipe:14s} " + " ".join(f"{x:7.2f}" for x in shares), flush=True)
+            del w
+
+
+def graphed_ms(call, calls: int = 20) -> float:
+    """Milliseconds a call of ``call`` replayed from a CUDA graph of ``calls`` calls takes on the GPU."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return ms(graph.replay) / calls
+
+if __name__ == "__main__":
+    main()
