@@ -28,9 +28,10 @@ def main() -> None:
     args = parser.parse_args()
     for cfg in select_configs(args.configs, quick=False):
         w = make_weights(cfg, torch.bfloat16, torch.device("cuda"))
+        x = w.x.detach().requires_grad_()
         for recipe in args.recipes:
             built = build_dropless(cfg, w, None if recipe == "bf16" else recipe)
-            step = _step(built, w.x, w.dy)
+            step = _step(built, x, w.dy)
             for _ in range(5):
                 step()
             torch.cuda.synchronize()

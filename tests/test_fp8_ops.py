@@ -151,9 +151,9 @@ def test_wgrad_accumulates_into_main_grad_with_a_mask(device, recipe):
 
 def test_column_chunks_bound_the_copy_of_dy():
     assert grouped_mm_fp8.column_chunks(2048, 1536) == [(0, 1536)]
-    assert grouped_mm_fp8.column_chunks(4096, 28672) == [(n, n + 4096) for n in range(0, 28672, 4096)]
-    assert grouped_mm_fp8.column_chunks(4096, 14336) == [(n, n + 3584) for n in range(0, 14336, 3584)]
-    assert grouped_mm_fp8.column_chunks(2880, 5760) == [(0, 2944), (2944, 5760)]
+    assert grouped_mm_fp8.column_chunks(4096, 28672) == [(n, n + 2048) for n in range(0, 28672, 2048)]
+    assert grouped_mm_fp8.column_chunks(4096, 14336) == [(n, n + 2048) for n in range(0, 14336, 2048)]
+    assert grouped_mm_fp8.column_chunks(2880, 5760) == [(0, 1536), (1536, 3072), (3072, 4608), (4608, 5760)]
     assert grouped_mm_fp8.column_chunks(64, 160) == [(0, 128), (128, 160)]
     assert grouped_mm_fp8.column_chunks(200, 0) == []
 
