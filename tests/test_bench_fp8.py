@@ -6,15 +6,17 @@ import json
 import math
 
 import pytest
+import torch
 
 from dropless.bench.__main__ import main
-from dropless.bench.fp8 import add_fp8_keys, method_recipe, quantization_bytes
+from dropless.bench.fp8 import add_fp8_keys, format_quantization_table, method_recipe, quantization_bytes
 from dropless.bench.fp8_peers import FP8_METHODS
 from dropless.bench.fp8_report import FP8_END, FP8_START
 from dropless.bench.problem import PASSES
 from dropless.bench.readme import END, START
 from dropless.bench.routing import ROUTINGS, group_sizes
 from dropless.bench.shapes import QUICK_SHAPES
+from dropless.bench.timing import graphed_median_ms, median_ms
 
 FP8_KEYS = {"recipe", "weights", "roofline_tflops", "ratio_to_bf16", "sqnr_db"}
 
@@ -54,6 +56,21 @@ def test_quick_fp8_quantization_rows(quick_run):
     assert {(r["dim"], r["recipe"]) for r in activations} == {(d, n) for d in (0, 1)
                                                                for n in ("rowwise", "block128", "mxfp8")}
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    # The table says how its rows were timed: on a GPU the kernels replayed from a CUDA graph; results
+    # from before the key timed each call from Python.
+    assert quick_run["meta"]["quantization_timing"] == "host"
+    assert format_quantization_table(quick_run).startswith("Quantization (a host clock)")
+    older = {**quick_run, "meta": {k: v for k, v in quick_run["meta"].items() if k != "quantization_timing"}}
+    assert format_quantization_table(older).startswith("Quantization (each call from Python)")
+
+
+@pytest.mark.gpu
+def test_graphed_timing_counts_the_kernels_alone():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(1 << 24, device="cuda")
+    ms = graphed_median_ms(lambda: x.mul_(1.0), x.device, 10, 20)
+    assert 0 < ms < median_ms(lambda: x.mul_(1.0), x.device, 10, 20) * 1.5
 
 
 def test_group_sizes_aligned():

@@ -26,6 +26,24 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: float, rep: f
     return _host_median_ms(fn, warmup, rep)
 
 
+def graphed_median_ms(fn: Callable[[], Any], device: torch.device, warmup: float, rep: float,
+                      calls: int = 10) -> float:
+    """``median_ms`` of one call of ``fn`` replayed from a CUDA graph of ``calls`` calls: the GPU's time
+    alone, where a call from Python can take longer on the host than its kernels on the GPU. Elsewhere
+    ``median_ms``."""
+    if device.type != "cuda":
+        return median_ms(fn, device, warmup, rep)
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = median_ms(graph.replay, device, warmup, rep) / calls
+    del graph
+    return ms
+
+
 def back_to_back_ms(fn: Callable[[], Any], n: int) -> float:
     """Milliseconds per call of ``fn`` over ``n`` calls queued back to back on the current CUDA stream,
     by CUDA events around all of them (no sync between calls: the rate a stream of them sustains)."""
