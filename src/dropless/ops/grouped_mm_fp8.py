@@ -13,9 +13,9 @@ reads group sizes on the host. The wgrad's operands are quantized per group alon
 group starting at a 128-aligned row of their ``[Mp, K]`` / ``[Mp, N]`` data (``dropless.quantized``), so
 its kernel reads them through TMA whatever the recipe. Where both orientations of x (forward) or dy
 (backward) are needed, the copy along the tokens is made after the product that reads the other is
-done, so the two never coexist, and where dy is wider than x (N > K, a gate/up projection) the weight
-gradient takes dy's columns in runs of at most K / 2, each quantized when its product runs, so that the
-copy the backward holds at its peak (with the weight gradient) is at most half the size of x's. Rows past the last group (a buffer sized for the most rows a rank can
+done, so the two never coexist, and where dy is over four times as wide as x (a wide gate/up projection)
+the weight gradient takes dy's columns in runs of K, each quantized when its product runs, so that the
+copy the backward holds at its peak (with the weight gradient) is no larger than x's. Rows past the last group (a buffer sized for the most rows a rank can
 receive) are neither quantized (``quantize(..., tail=False)``) nor multiplied: the products write their
 zeros only.
 """
@@ -235,14 +235,14 @@ class Fp8GroupedMM(torch.autograd.Function):
 
 
 def column_chunks(K: int, N: int) -> list[tuple[int, int]]:
-    """Column ranges of dy for the weight gradient: all N at once where N <= K, else runs of at most K / 2
-    columns (one width, rounded up to a multiple of 128), so that the copy of dy quantized along the tokens
-    that the backward holds at its peak (beside the weight gradient) is at most half the size of x's FP8
-    copy, a quarter of the bf16 x that a BF16 backward holds there (with it, the FP8 layer's peak stays
-    under the BF16 layer's at Mixtral-8x7B, benchmarks/NOTES.md v30)."""
-    if N <= K:
+    """Column ranges of dy for the weight gradient: all N at once, unless dy is over four times as wide
+    as x (N > 4 K, a wide gate/up projection: its copy quantized along the tokens, M N bytes, would then be
+    over twice the bf16 x that a BF16 backward holds beside the weight gradient at its peak); then runs of
+    K columns rounded down to a multiple of 128 (at least 128), of one width, each copy no larger than x's
+    FP8 copy. Each run costs a quantization and a product launch, which narrower dy does not pay."""
+    if N <= 4 * K:
         return [(0, N)] if N else []
-    step = cdiv(cdiv(N, cdiv(N, max(K // 2, 1))), GROUP_ALIGN) * GROUP_ALIGN
+    step = cdiv(cdiv(N, cdiv(N, max(K // GROUP_ALIGN * GROUP_ALIGN, GROUP_ALIGN))), GROUP_ALIGN) * GROUP_ALIGN
     return [(n0, min(n0 + step, N)) for n0 in range(0, N, step)]
 
 
