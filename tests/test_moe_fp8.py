@@ -197,8 +197,9 @@ def _gradients(moe: MoE) -> dict[str, torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("recipe", RECIPES)
+# Each recipe once, each config at least once (every pair ran ~6 s under the interpreter).
+@pytest.mark.parametrize("recipe, config", [("rowwise", "swiglu"), ("block128", "geglu-bias-main-grad"),
+                                            ("mxfp8", "geglu-bias-main-grad")])
 def test_moe_fused_activation_gives_the_unfused_bits(device, recipe, config, monkeypatch):
     torch.manual_seed(0)
     fused = MoE(D_MODEL, D_FF, E, TOP_K, recipe=recipe, device=device, dtype=torch.bfloat16, **CONFIGS[config])
