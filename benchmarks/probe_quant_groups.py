@@ -37,14 +37,15 @@ def ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def triton_only(fn):
-    """``fn`` with the Gluon kernel turned down, so the Triton tile kernel runs."""
-    original = qk.quantize_groups_hopper_ok
-    qk.quantize_groups_hopper_ok = lambda *args: False
+def triton_only(fn, gluon_ok: str = "quantize_groups_hopper_ok"):
+    """``fn`` with the Gluon kernel that ``kernels.quantize``'s predicate ``gluon_ok`` chooses turned down,
+    so the Triton kernels run."""
+    original = getattr(qk, gluon_ok)
+    setattr(qk, gluon_ok, lambda *args: False)
     try:
         return fn()
     finally:
-        qk.quantize_groups_hopper_ok = original
+        setattr(qk, gluon_ok, original)
 
 
 def compare(label: str, x: torch.Tensor, recipe: str, offsets: torch.Tensor, copy: float,

@@ -7,7 +7,7 @@ GB/s of the bytes each call must move at the least (the bf16 weight read once, b
 written: 4 bytes an element; the scales are left out), and that as a share of a device copy's (bytes
 read + written). The bar: 0.8 of the copy, the same share for every E. Each call is timed twice: called
 from Python (``do_bench``, the host's time per call included where it is longer than the GPU's) and
-replayed from a CUDA graph of 20 calls (the GPU's time alone). Each Gluon call's outputs are checked
+replayed from a CUDA graph of 10 calls (``bench.timing.graphed_median_ms``: the GPU's time alone). Each Gluon call's outputs are checked
 against the Triton kernels' byte for byte first.
 """
 
@@ -18,27 +18,21 @@ import os
 os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
 
 import torch
-from triton.testing import do_bench
-
 import dropless
-from dropless.kernels import quantize as qk
+from dropless.bench.timing import graphed_median_ms, median_ms
+from probe_quant_groups import triton_only  # the benchmarks folder is the script's
 
 DEV = torch.device("cuda")
+WEIGHTS = "quantize_weight_hopper_ok"  # the predicate that chooses the Gluon weight kernel
 K, N = 2048, 1536  # a Qwen3-30B-A3B expert's up projection, [E, N, K] as nn.Linear stores it
 
 
 def ms(fn) -> float:
-    return do_bench(fn, warmup=10, rep=30, return_mode="median")
+    return median_ms(fn, DEV, 10, 30)
 
 
-def triton_kernels(fn):
-    """``fn`` run with the Gluon kernel refused, so that the Triton tile kernels run."""
-    original = qk.quantize_weight_hopper_ok
-    qk.quantize_weight_hopper_ok = lambda *args: False
-    try:
-        return fn()
-    finally:
-        qk.quantize_weight_hopper_ok = original
+def graphed_ms(fn) -> float:
+    return graphed_median_ms(fn, DEV, 10, 30)
 
 
 def same_bytes(a, b) -> bool:
@@ -59,22 +53,13 @@ def main() -> None:
             w = w.transpose(1, 2) if layout == "nk" else w.view(E, K, N)
             for recipe in ("mxfp8", "block128x128"):
                 call = lambda: dropless.quantize_weight(w, recipe)  # noqa: E731
-                assert same_bytes(call(), triton_kernels(call)), (E, layout, recipe)
-                shares = [4 * w.numel() / t / 1e6 / copy for t in (
-                    ms(call), graphed_ms(call), triton_kernels(lambda: ms(call)), triton_kernels(lambda: graphed_ms(call)))]
+                assert same_bytes(call(), triton_only(call, WEIGHTS)), (E, layout, recipe)
+                times = (ms(call), graphed_ms(call), triton_only(lambda: ms(call), WEIGHTS),
+                         triton_only(lambda: graphed_ms(call), WEIGHTS))
+                shares = [4 * w.numel() / t / 1e6 / copy for t in times]
                 print(f"E={E:<4d}{layout} {recipe:14s} " + " ".join(f"{x:7.2f}" for x in shares), flush=True)
             del w
 
-
-def graphed_ms(call, calls: int = 20) -> float:
-    """Milliseconds a call of ``call`` replayed from a CUDA graph of ``calls`` calls takes on the GPU."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    return ms(graph.replay) / calls
 
 if __name__ == "__main__":
     main()

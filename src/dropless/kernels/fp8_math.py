@@ -11,11 +11,12 @@
 Every exponent is read off the fp32 bits (subnormals included; rceil needs no division), and every
 division is correctly rounded (``div_rn``; mxfp8 multiplies by the exact power of two ``2**-e``), so
 the kernels match ``dropless.reference.quantize`` bit for bit. The functions are ``@triton.jit``; Gluon
-kernels call them through ``gluon.jit(f.fn)``.
+kernels call the ``gluon_`` forms at the end of this module (``gluon.jit(f.fn)``).
 """
 
 import triton
 import triton.language as tl
+from triton.experimental import gluon
 
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 E8M0_ONE = tl.constexpr(127)  # the E8M0 byte of 2**0
@@ -129,3 +130,8 @@ def to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
     if EMULATE_FP8:
         y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return to_e4m3(y, EMULATE_FP8)
+
+
+# The forms Gluon kernels call (a Gluon kernel cannot call a @triton.jit function).
+gluon_block_scale = gluon.jit(block_scale.fn)
+gluon_to_fp8 = gluon.jit(to_fp8.fn)

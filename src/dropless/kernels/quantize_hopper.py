@@ -42,16 +42,15 @@ ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of 
 COLUMNS: gl.constexpr = gl.constexpr(64)  # columns a tile: 128 bytes of a 16-bit x
 STAGES = 4
 PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
-# A register target of 128 a thread for the kernel's 256 threads, so that two programs share a
-# multiprocessor (warp_specialize's default target is the whole register file, 255 a thread: one
-# program): 1.05-1.5x on the blockwise recipes and on gathered rows, whose loads then have twice the
-# copies in flight; rowwise strips read by TMA keep one program, whose strips' second read is served by
-# L2 only while the strips in flight fit in it (benchmarks/NOTES.md, v30).
+# A register target of 128 a thread for the Gluon quantizers (up to 256 threads), so that two programs
+# share a multiprocessor (warp_specialize's default target is the whole register file, 255 a thread: one
+# program): blockwise recipes 1.04-1.13x where two runs agree; gathered rows, whose loads then have twice
+# the copies in flight, 1.1-1.3x at DeepSeek-V3 and Qwen3 in both runs (Mixtral's moved both ways); rowwise
+# strips read by TMA keep one program, whose strips' second read is served by L2 only while the strips in
+# flight fit in it (benchmarks/NOTES.md, v30).
 MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
 
-_block_scale = gluon.jit(fp8_math.block_scale.fn)
-_to_fp8 = gluon.jit(fp8_math.to_fp8.fn)
 
 
 @gluon.jit
@@ -237,15 +236,15 @@ def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, off
             v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
             step += 1
             v3 = v.reshape([ROWS // BLOCK, BLOCK, COLUMNS])
-            scale = _block_scale(column_amax(v3, 1), MX, POW2, RCEIL)
-            q = _to_fp8(v3, scale[:, None, :], MX, False).reshape([ROWS, COLUMNS])
+            scale = fp8_math.gluon_block_scale(column_amax(v3, 1), MX, POW2, RCEIL)
+            q = fp8_math.gluon_to_fp8(v3, scale[:, None, :], MX, False).reshape([ROWS, COLUMNS])
             _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, SCALE_ROWS, BLOCK, MX)
             _send(q, out_bufs, written, data_desc, col0, slot * ROWS)
             written += 1
         else:
             scale_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
             zeros = gl.zeros([ROWS // BLOCK, COLUMNS], gl.float32, scale_layout)
-            _store_block_scales(scale_ptr, _block_scale(zeros, MX, POW2, RCEIL), group, local, start, end,
+            _store_block_scales(scale_ptr, fp8_math.gluon_block_scale(zeros, MX, POW2, RCEIL), group, local, start, end,
                                 C, col0, E, SCALE_ROWS, BLOCK, MX)
             tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
     tma.store_wait(pendings=0)
@@ -303,14 +302,14 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_pt
         for row0 in range(start, end, ROWS):
             amax = gl.maximum(amax, column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
             step += 1
-        scale = _block_scale(amax, False, POW2, False)
+        scale = fp8_math.gluon_block_scale(amax, False, POW2, False)
         gl.store(scale_ptr + group * C + col0 + cols, scale, mask=(cols < C - col0) & routed)
         for slot in range(first, slots_end):
             row0 = start + (slot - first) * ROWS
             if row0 < end:
                 v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
                 step += 1
-                _send(_to_fp8(v, scale[None, :], False, False), out_bufs, written, data_desc, col0, slot * ROWS)
+                _send(fp8_math.gluon_to_fp8(v, scale[None, :], False, False), out_bufs, written, data_desc, col0, slot * ROWS)
                 written += 1
             else:
                 tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)

@@ -40,7 +40,7 @@ from dropless.kernels import fp8_math
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.hopper import descriptor, release, stage_barriers
 from dropless.kernels.launch import LaunchInfo, cdiv, hopper_kernels_ok, interpreting, launch_info
-from dropless.kernels.quantize_hopper import column_amax, stage_values, take_stage
+from dropless.kernels.quantize_hopper import MAX_REGISTERS, column_amax, stage_values, take_stage
 from dropless.quantized import Recipe
 
 ROWS: gl.constexpr = gl.constexpr(128)  # rows (R) a tile
@@ -49,10 +49,6 @@ MX_BLOCK: gl.constexpr = gl.constexpr(32)  # mxfp8's elements a scale
 STAGES = 4
 PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 32 KB of output buffers a program
 COMPUTE_WARPS = 4
-# A register target of 128 a thread for the kernel's 256 threads (the compute warps and the loader's
-# warpgroup), so that two programs share a multiprocessor: warp_specialize's default target is the whole
-# register file (255 a thread), one program. setmaxnreg still gives the compute warps 216, the loader 40.
-MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(1)
 # Bases of (row, column) bits. Row bits 5 and 6 on the warps, so that 32-row blocks stay in one warp;
 # column bits 0-1 in registers (8-byte reads), 2-4 on lanes (a 1x32 block in 8 lanes), row bits 2-3 on
@@ -65,9 +61,6 @@ _LAYOUT: gl.constexpr = gl.constexpr(gl.DistributedLinearLayout(
     block_bases=[],
     shape=[128, 64],
 ))
-
-_block_scale = gluon.jit(fp8_math.block_scale.fn)
-_to_fp8 = gluon.jit(fp8_math.to_fp8.fn)
 
 
 @gluon.jit
@@ -144,11 +137,11 @@ def _mx_compute(w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
         e, row0, col0 = _origin(tile, tiles_r, tiles_c, COLUMNS)
         v = take_stage(w_bufs, ready, empty, step, _LAYOUT, STAGES)
         v_r = v.reshape([ROWS // MX_BLOCK, MX_BLOCK, COLUMNS])
-        scale_r = _block_scale(column_amax(v_r, 1), True, False, RCEIL)
-        q_r = _to_fp8(v_r, scale_r[:, None, :], True, False).reshape([ROWS, COLUMNS])
+        scale_r = fp8_math.gluon_block_scale(column_amax(v_r, 1), True, False, RCEIL)
+        q_r = fp8_math.gluon_to_fp8(v_r, scale_r[:, None, :], True, False).reshape([ROWS, COLUMNS])
         v_c = v.reshape([ROWS, COLUMNS // MX_BLOCK, MX_BLOCK])
-        scale_c = _block_scale(column_amax(v_c, 2), True, False, RCEIL)
-        q_c = _to_fp8(v_c, scale_c[:, :, None], True, False).reshape([ROWS, COLUMNS])
+        scale_c = fp8_math.gluon_block_scale(column_amax(v_c, 2), True, False, RCEIL)
+        q_c = fp8_math.gluon_to_fp8(v_c, scale_c[:, :, None], True, False).reshape([ROWS, COLUMNS])
         _store_scales(scale_r_ptr, scale_r, e, stride_sre, row0 // MX_BLOCK, stride_srb, gl.cdiv(R, MX_BLOCK),
                       col0, stride_src, C)
         _store_scales(scale_c_ptr, scale_c, e, stride_sce, row0, stride_scr, R,
@@ -183,15 +176,15 @@ def _tile128_compute(w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
         amax = _tile_amax(_half(w_bufs, ready, step, STAGES))
         if two:
             amax = gl.maximum(amax, _tile_amax(_half(w_bufs, ready, step + 1, STAGES)))
-        scale = _block_scale(amax, False, POW2, False)
+        scale = fp8_math.gluon_block_scale(amax, False, POW2, False)
         _store_scales(scale_ptr, scale, e, stride_se, row0 // ROWS, stride_sr, gl.cdiv(R, ROWS),
                       col0 // (2 * COLUMNS), stride_sc, tiles_c)
-        q = _to_fp8(_half(w_bufs, ready, step, STAGES), scale, False, False)
+        q = fp8_math.gluon_to_fp8(_half(w_bufs, ready, step, STAGES), scale, False, False)
         release(empty, step, STAGES)
         _send(q, q, out_c, out_r, step, c_desc, r_desc, e, row0, col0)
         step += 1
         if two:
-            q = _to_fp8(_half(w_bufs, ready, step, STAGES), scale, False, False)
+            q = fp8_math.gluon_to_fp8(_half(w_bufs, ready, step, STAGES), scale, False, False)
             release(empty, step, STAGES)
             _send(q, q, out_c, out_r, step, c_desc, r_desc, e, row0, col0 + COLUMNS)
             step += 1
