@@ -264,6 +264,7 @@ def wgrad_by_columns(xt: QuantizedTensor, dy: torch.Tensor, offsets: torch.Tenso
         whole = (n0, n1) == (0, dy.shape[1])
         dyt = quantize(dy if whole else dy[:, n0:n1], act, dim=0, offsets=offsets, tail=False)
         quantized_wgrad(xt, dyt, offsets, recipe, out if whole else out[:, :, n0:n1], flags, accumulate, out.dtype)
+        del dyt  # freed before the next run's copy is made, not when the name is bound again
 
 
 def _fp8_capable(device: torch.device) -> None:
