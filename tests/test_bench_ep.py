@@ -19,7 +19,7 @@ import torch
 from dropless.bench.__main__ import main
 from dropless.bench.ep import BARS
 from dropless.bench.ep_exchange import PASSES, QUICK_CASES
-from dropless.bench.ep_layer import METHODS as LAYER_METHODS
+from dropless.bench.ep_layer import layer_methods
 from dropless.bench.ep_layer import QUICK_CONFIGS, RECIPES
 from dropless.bench.ep_report import format_bars, judge_bars
 from dropless.bench.routing import draw_topk
@@ -86,7 +86,7 @@ def test_layer_rows_and_weak_scaling(quick_run):
     result, _, _ = quick_run
     rows = [r for r in result["rows"] if r["part"] == "layer"]
     assert sorted((r["case"], r["method"], r["recipe"]) for r in rows) == sorted(
-        (c.name, m, rc) for c in QUICK_CONFIGS for m in LAYER_METHODS for rc in RECIPES)
+        (c.name, m, rc) for c in QUICK_CONFIGS for m in layer_methods(graphs=False) for rc in RECIPES)
     at = {(r["method"], r["recipe"]): r for r in rows}
     cfg = QUICK_CONFIGS[0]
     for r in rows:
@@ -147,6 +147,24 @@ def test_bars_judged_where_they_apply():
     text = format_bars(_result(2, "NVIDIA H100 80GB HBM3", 250.0, 230.0, 0.8))
     assert "NOT MET" in text and "not judged" in text
     assert all(v["met"] is None for v in judge_bars(_result(8, "NVIDIA H200", 400.0, 300.0, 0.9)))
+
+
+def test_graph_replayed_layers_weighed_against_the_graph_replayed_reference():
+    """A CUDA run also times the symmetric-memory layer and the one-GPU reference as graph replays; each EP
+    method's weak scaling is over the reference timed the same way."""
+    assert layer_methods(graphs=True) == ("dropless_ep", "dropless_ep_symmetric_memory",
+                                          "dropless_ep_symmetric_memory_graph", "dropless_one_gpu",
+                                          "dropless_one_gpu_graph")
+    result = _result(4, "NVIDIA H200", 400.0, 300.0, 0.8)
+    result["rows"] += [{"part": "layer", "routing": "balanced", "case": "dsv3", "recipe": "bf16", "method": method,
+                        "ms": ms, "weak_scaling": weak}
+                       for method, ms, weak in (("dropless_ep_symmetric_memory_graph", 9.0, 0.9),
+                                                ("dropless_one_gpu_graph", 8.1, None))]
+    verdicts = {v["where"]: v for v in judge_bars(result) if v["bar"] == "weak_scaling"}
+    assert set(verdicts) == {"dsv3 bf16 dropless_ep", "dsv3 bf16 dropless_ep_symmetric_memory_graph"}
+    assert verdicts["dsv3 bf16 dropless_ep"]["met"] is False and "8.00 ms on one GPU" in verdicts["dsv3 bf16 dropless_ep"]["note"]
+    graph = verdicts["dsv3 bf16 dropless_ep_symmetric_memory_graph"]
+    assert graph["met"] and "8.10 ms on one GPU, 9.00 ms on 4" in graph["note"]
 
 
 def test_draw_topk():

@@ -32,7 +32,8 @@ rowwise: ``dropless_ep`` (``MoE(ep_group=<all ranks>)``) against ``dropless_one_
 work with no communication: E/P experts (the same weights), the same T tokens, each routed to k of the
 layer's experts drawn the same way, so ``T * k`` copies per GPU as the EP layer's ranks take on
 average, and the same router and shared-expert work. Every rank times both, the reference with no
-exchange between ranks. Time: as above (barrier and sync before every step); ``ms`` is the slowest
+exchange between ranks. On GPUs, the symmetric-memory layer (no host sync) and the reference are also
+captured in CUDA graphs and timed as replays (``_graph``), and weighed against each other. Time: as above (barrier and sync before every step); ``ms`` is the slowest
 rank's (a data-parallel step waits for its slowest rank, with or without EP). Weak-scaling efficiency
 = one-GPU time / P-GPU time = ``dropless_one_gpu.ms / dropless_ep.ms``; gradients of replicated
 weights are not reduced across ranks in either (that is data parallelism's work, not the layer's).
@@ -227,7 +228,8 @@ def run_ep(opts: EpOptions, ranks: Ranks, log: Callable[[str], None] = lambda s:
     gathered = ranks.gather({**per_rank, "device": device_name(ranks.device)})
     if ranks.rank != 0:
         return None
-    rows = _exchange_rows(opts, ranks.world, methods, gathered) + _layer_rows(opts, ranks.world, gathered)
+    rows = (_exchange_rows(opts, ranks.world, methods, gathered)
+            + _layer_rows(opts, ranks.world, gathered, graphs=ranks.device.type == "cuda"))
     meta = _meta(opts, ranks, gathered, methods, status)
     meta["tuned_configs"] = tuned_configs()  # rank 0's
     meta["seconds"] = round(time.perf_counter() - started, 1)
@@ -291,8 +293,7 @@ def _run_exchange(opts: EpOptions, ranks: Ranks, methods: Sequence[str], out: di
 
 
 def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], None]) -> None:
-    items: dict[Key, Callable[[], object]] = {}
-    after: dict[Key, Callable[[], None]] = {}
+    methods = ep_layer.layer_methods(graphs=ranks.device.type == "cuda")
     for cfg in ep_layer.select_configs(opts.configs, opts.quick):
         weights, error = ranks.agreed(lambda: ep_layer.make_weights(cfg, ranks.group, ranks.device, opts.dtype,
                                                                     opts.seed))
@@ -301,7 +302,10 @@ def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], N
                                                                                opts.seed))
                                     if weights is not None else (None, error))
             for recipe in opts.recipes:
-                for method in ep_layer.METHODS:
+                # Timed a recipe at a time: each graph holds its step's memory while it lives.
+                items: dict[Key, Callable[[], object]] = {}
+                after: dict[Key, Callable[[], None]] = {}
+                for method in methods:
                     key = ("layer", cfg.name, routing, method, recipe)
                     record = {"rows": None, "error": routing_error}
                     out["records"][key] = record
@@ -316,15 +320,19 @@ def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], N
                         if record["error"] is None and ranks.any(not finite):
                             record["error"] = ("non-finite output or gradient" if not finite
                                                else "non-finite on another rank")
-                        ep_layer.release_caches(layer)
+                        if record["error"] is None and method.endswith(ep_layer.GRAPHED):
+                            step, record["error"] = ranks.agreed(lambda: ep_exchange.graphed(step))
+                        else:
+                            ep_layer.release_caches(layer)
                     if record["error"] is not None:
                         say(f"{cfg.name} {routing} {method} {recipe}: {record['error']}")
                         continue
                     items[key] = step
-                    after[key] = lambda layer=layer: (ep_layer.release_caches(layer), _release(ranks.device))
-    out["samples"].update(_time_rounds(items, opts, ranks, after))
-    del items, after
-    _release(ranks.device)
+                    if not method.endswith(ep_layer.GRAPHED):  # a graph replays the weight copies it cached
+                        after[key] = lambda layer=layer: (ep_layer.release_caches(layer), _release(ranks.device))
+                out["samples"].update(_time_rounds(items, opts, ranks, after))
+                del items, after
+                _release(ranks.device)
 
 
 def _layer_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], tuple]:
@@ -415,15 +423,16 @@ def _exchange_rows(opts: EpOptions, world: int, methods: Sequence[str], gathered
     return rows
 
 
-def _layer_rows(opts: EpOptions, world: int, gathered: list[dict]) -> list[dict]:
+def _layer_rows(opts: EpOptions, world: int, gathered: list[dict], graphs: bool) -> list[dict]:
     if "layer" not in opts.parts:
         return []
     rows = []
+    methods = ep_layer.layer_methods(graphs)
     for cfg in ep_layer.select_configs(opts.configs, opts.quick):
         for routing in opts.routings:
             for recipe in opts.recipes:
                 timed = {}
-                for method in ep_layer.METHODS:
+                for method in methods:
                     key = ("layer", cfg.name, routing, method, recipe)
                     ms, rounds = _per_rank(gathered, key)
                     error = _error(gathered, key)
@@ -436,8 +445,8 @@ def _layer_rows(opts: EpOptions, world: int, gathered: list[dict]) -> list[dict]
                                  "rows_per_rank": [g["records"][key]["rows"] for g in gathered],
                                  "tflops": cfg.useful_flops / timed[method] / 1e9 if timed[method] else None,
                                  "weak_scaling": None, "failed": error is not None or ms is None, "error": error})
-                one = timed["dropless_one_gpu"]
-                for row in rows[-len(ep_layer.METHODS):]:
+                for row in rows[-len(methods):]:
+                    one = timed.get(ep_layer.reference(row["method"]))
                     if row["method"] in ep_layer.EP_METHODS and row["ms"] and one:
                         row["weak_scaling"] = one / row["ms"]
     return rows
@@ -468,8 +477,10 @@ def _meta(opts: EpOptions, ranks: Ranks, gathered: list[dict], methods: Sequence
               "MoE with this rank's E/P experts (the same weights), the same T tokens routed to k of them, no "
               "communication; both: step = y = layer(x), torch.autograd.grad(y, [x, *params], dy); the routers' "
               "choice replaced by the seeded draw (weights: the router's sigmoid scores at the drawn experts, "
-              "renormalized, x routed_scaling); replicated weights' gradients not reduced",
-        weak_scaling="dropless_one_gpu ms / dropless_ep ms (slowest ranks, same recipe and routing)",
+              "renormalized, x routed_scaling); replicated weights' gradients not reduced; *_graph: the step "
+              "captured in a CUDA graph (FP8 weight copies cached at capture) and timed as its replay",
+        weak_scaling="dropless_one_gpu ms / dropless_ep ms (slowest ranks, same recipe and routing); "
+                     "dropless_one_gpu_graph's for a _graph method",
         tflops="useful expert-GEMM FLOPs of one GPU's forward+backward on average, "
                "3 * T * 6 * d * (k * d_ff + shared_d_ff), over ms",
         routing="per rank, seeded by seed and rank: each token's k distinct experts drawn uniformly (balanced) "

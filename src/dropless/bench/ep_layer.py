@@ -11,6 +11,9 @@ On every rank, for each recipe (BF16, FP8 rowwise), two layers share one set of 
   tensors), router and shared expert: the same T tokens, each routed to k of its E/P experts, all
   local. Each GPU then runs ``T * k`` token copies through E/P experts, as a rank of the EP layer does on
   average, with the same router and shared-expert work: the EP layer's per-GPU work without the exchange.
+- ``dropless_ep_symmetric_memory_graph`` and ``dropless_one_gpu_graph`` (GPUs): the same steps captured in
+  a CUDA graph each and replayed, as a training step captured whole runs them; the host's Python and
+  launches (the eager exchange's dozens of small operations) drop out of both.
 
 Routing: the routers' choice of experts is replaced by a draw (``DrawnRouter``) so that it is random and
 seeded per rank, and the same rule in both layers: each token's k distinct experts drawn uniformly from
@@ -37,9 +40,24 @@ from dropless.ops.router_logits import router_logits
 from dropless.ops.routing import Routing
 
 RECIPES = ("bf16", "rowwise")  # "bf16": the experts in the input's dtype; else an FP8 recipe
-# The EP layers, by the dispatch backend each uses; then the one-GPU reference.
-EP_METHODS = {"dropless_ep": "nccl", "dropless_ep_symmetric_memory": "symmetric_memory"}
-METHODS = (*EP_METHODS, "dropless_one_gpu")
+# The EP layers, by the dispatch backend each uses; then the one-GPU reference. A "_graph" method is its
+# step (forward and backward) captured in a CUDA graph and timed as its replay: GPUs only, and only for a
+# layer with no host sync (the NCCL backend's count exchange is one).
+EP_METHODS = {"dropless_ep": "nccl", "dropless_ep_symmetric_memory": "symmetric_memory",
+              "dropless_ep_symmetric_memory_graph": "symmetric_memory"}
+METHODS = (*EP_METHODS, "dropless_one_gpu", "dropless_one_gpu_graph")
+GRAPHED = "_graph"
+
+
+def layer_methods(graphs: bool) -> tuple[str, ...]:
+    """The layer methods a run times: with ``graphs`` (on GPUs) the graph-replayed ones too."""
+    return tuple(m for m in METHODS if graphs or not m.endswith(GRAPHED))
+
+
+def reference(method: str) -> str:
+    """The one-GPU method an EP method's weak scaling is measured against: replayed from a graph where the
+    EP method is, so that both steps have their host's share removed alike."""
+    return "dropless_one_gpu_graph" if method.endswith(GRAPHED) else "dropless_one_gpu"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dropless.bench.ep_exchange import PEERS
+from dropless.bench.ep_layer import EP_METHODS, reference
 from dropless.bench.report import optional, unique
 
 BOTH = "dispatch+combine"
@@ -60,11 +61,11 @@ def judge_bars(result: dict) -> list[dict]:
                         "note": note if judged_gbps else f"{note}; the bar is for {bars['gbps_gpus']} "
                                                          f"{bars['gbps_device']}s, this run {world} x {gpu}"})
     judged_ws = on_gpus and world in bars["weak_scaling_gpus"]
-    ep_methods = [m for m in unique(layer, "method") if m != "dropless_one_gpu"]
+    ep_methods = [m for m in unique(layer, "method") if m in EP_METHODS]
     for case, recipe, method in ((c, r, m) for c in unique(layer, "case") for r in unique(layer, "recipe")
                                  for m in ep_methods):
         ep = _at(layer, case=case, recipe=recipe, method=method)
-        one = _at(layer, case=case, recipe=recipe, method="dropless_one_gpu")
+        one = _at(layer, case=case, recipe=recipe, method=reference(method))
         value = ep["weak_scaling"] if ep else None
         note = (f"{optional(one and one['ms'], '.2f')} ms on one GPU, "
                 f"{optional(ep and ep['ms'], '.2f')} ms on {world}")
