@@ -13,7 +13,10 @@ On every rank, for each recipe (BF16, FP8 rowwise), two layers share one set of 
   average, with the same router and shared-expert work: the EP layer's per-GPU work without the exchange.
 - ``dropless_ep_symmetric_memory_graph`` and ``dropless_one_gpu_graph`` (GPUs): the same steps captured in
   a CUDA graph each and replayed, as a training step captured whole runs them; the host's Python and
-  launches (the eager exchange's dozens of small operations) drop out of both.
+  launches (the eager exchange's dozens of small operations) drop out of both. An FP8 layer captured in a
+  graph quantizes its weights inside it (``QuantizedWeightCache``: replays must see the optimizer's
+  updates), so its graph rows pay the weights' quantization every step, as a step of one micro-batch does;
+  its eager rows reuse the cached copies.
 
 Routing: the routers' choice of experts is replaced by a draw (``DrawnRouter``) so that it is random and
 seeded per rank, and the same rule in both layers: each token's k distinct experts drawn uniformly from
