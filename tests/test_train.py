@@ -17,6 +17,7 @@ import torch
 
 from dropless.train.checkpoint import load_model, read_checkpoint
 from dropless.train.data import encode, load_corpus
+from dropless.train.distributed import Ranks
 from dropless.train.errors import TrainError
 from dropless.train.generate import sample
 from dropless.train.loop import Trainer
@@ -88,6 +89,41 @@ def test_training_on_the_gpu_overfits(tmp_path):
     summary = make_trainer(tmp_path, "out", dataclasses.replace(SMALL_MODEL, d_model=64, d_ff=64), run,
                            device="cuda").run()
     assert summary["loss"] < 0.5 * summary["first_loss"], [round(h["loss"], 3) for h in summary["history"]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compile": True}, "--compile do not go together"),
+    ({"ranks": Ranks(world_size=2)}, "runs one process; this run has 2"),
+    ({}, "needs a GPU; the device is cpu"),
+])
+def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path, kwargs, message):
+    random_text(tmp_path / "text.txt", 60)
+    with pytest.raises(TrainError, match=message):
+        make_trainer(tmp_path, "out", cuda_graph=True, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_step_trains_like_the_eager_one_and_resumes(tmp_path):
+    """``cuda_graph``: three eager steps, then the step captured and replayed; the losses follow the eager
+    run's, and a run stopped after a replayed step (its checkpoint holding the device learning rates as
+    numbers) resumes, captures again and ends where the uninterrupted one does, bit for bit."""
+    random_text(tmp_path / "text.txt", 300)
+    run = dataclasses.replace(SMALL_RUN, steps=10, log_every=1)
+    eager = make_trainer(tmp_path, "eager", run=run, device="cuda").run()
+    straight = make_trainer(tmp_path, "graph", run=run, device="cuda", cuda_graph=True)
+    summary = straight.run()
+    assert straight.captured.captured
+    assert [h["step"] for h in summary["history"]] == list(range(1, 11))
+    for a, b in zip(eager["history"], summary["history"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+    interrupted = make_trainer(tmp_path, "resumed", run=run, device="cuda", cuda_graph=True)
+    interrupted.run(until=6)
+    assert interrupted.captured.captured
+    resumed = make_trainer(tmp_path, "resumed", run=run, device="cuda", cuda_graph=True, resume=True)
+    assert resumed.step == 6 and resumed.optimizer.param_groups[0]["lr"].is_cuda
+    resumed.run()
+    assert_same_state(resumed, straight)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -149,6 +149,25 @@ def test_train_then_generate_on_the_gpu(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("router")
 
 
+def test_cuda_graph_on_the_cpu_is_a_one_line_error(tmp_path, capsys):
+    text = random_text(tmp_path / "text.txt", 200)
+    assert main(["train", "--cuda-graph", "--data", str(text), "--steps", "2", "--out", str(tmp_path / "run"),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --cuda-graph") and "needs a GPU" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_cuda_graph_flag_on_the_gpu(tmp_path):
+    text = random_text(tmp_path / "text.txt", 200)
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--cuda-graph", "--data", str(text), "--steps", "6",
+                 "--batch-size", "2", "--seq-len", "16", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 6 and summary["loss"] < summary["first_loss"]
+
+
 def test_train_fp8_flag(tmp_path, capsys):
     """``--fp8 rowwise`` trains with FP8 experts, records the recipe in the checkpoint, and a bad recipe
     is refused by the parser."""

@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     train.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--cuda-graph", action="store_true",
+                       help="capture the whole training step in a CUDA graph after 3 eager steps and replay it "
+                            "(one GPU, one process: removes the host's time from each step)")
     train.set_defaults(handler=_train)
 
     generate = sub.add_parser("generate", help="sample text from a checkpoint of dropless train",
@@ -151,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(preset.name, model_config, train_config, corpus, out_dir, device, ranks,
                           resume=args.resume, compile=args.compile, ep=args.ep,
-                          ep_backend=args.ep_backend)
+                          ep_backend=args.ep_backend, cuda_graph=args.cuda_graph)
         if ranks.is_main:
             print(trainer.describe(), flush=True)
         summary = trainer.run()

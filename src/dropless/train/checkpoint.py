@@ -45,7 +45,10 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     tensors["rng.sampler"] = sampler_state
-    meta = {**meta, "format": FORMAT, "optimizer_param_groups": optimizer_state["param_groups"],
+    # A captured step keeps its learning rates in device tensors (captured_step.py): saved as numbers.
+    groups = [{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in group.items()}  # sync-ok: saving
+              for group in optimizer_state["param_groups"]]
+    meta = {**meta, "format": FORMAT, "optimizer_param_groups": groups,
             "python_rng": random.getstate()}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")

@@ -3,7 +3,8 @@
 Each step: a batch of random windows, the forward (bf16 autocast on a GPU), cross-entropy plus the
 routers' auxiliary losses, backward, gradient clipping, AdamW at the scheduled learning rate, and the
 expert-bias update for bias-balanced models. Losses and expert loads pile up on the device and are read
-every ``log_every`` steps only, so the steps in between never wait for the host.
+every ``log_every`` steps only, so the steps in between never wait for the host. With ``cuda_graph`` the
+step is captured in a CUDA graph after a few eager ones and replayed (``captured_step.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from dropless.parallel import expert_data_parallel
 from dropless.train import distributed, expert_parallel
+from dropless.train.captured_step import CapturedStep
 from dropless.train.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore_optimizer_and_rng, save_checkpoint
 from dropless.train.data import BatchSampler, Corpus
 from dropless.train.distributed import Ranks
@@ -32,6 +34,17 @@ from dropless.train.report import load_balance, plot_expert_load, plot_loss_curv
 
 # The held-out batches are the same at every evaluation: drawn from a generator seeded afresh.
 _HELD_OUT_SEED_OFFSET = 1_000_003
+
+
+def _check_cuda_graph(device: torch.device, ranks: Ranks, compile: bool) -> None:
+    """TrainError unless a captured step can run here: one process on a GPU, without torch.compile."""
+    if compile:
+        raise TrainError("--cuda-graph and --compile do not go together: choose one")
+    if ranks.world_size > 1:
+        raise TrainError(f"--cuda-graph runs one process; this run has {ranks.world_size} (drop torchrun, or "
+                         "--cuda-graph)")
+    if device.type != "cuda":
+        raise TrainError(f"--cuda-graph captures the step in a CUDA graph and needs a GPU; the device is {device}")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -84,7 +97,8 @@ class Trainer:
 
     def __init__(self, preset: str, model_config: ModelConfig, train_config: TrainConfig, corpus: Corpus,
                  out_dir: Path, device: torch.device, ranks: Ranks = Ranks(), *, resume: bool = False,
-                 compile: bool = False, progress: bool = True, ep: int = 1, ep_backend: str = "nccl") -> None:
+                 compile: bool = False, progress: bool = True, ep: int = 1, ep_backend: str = "nccl",
+                 cuda_graph: bool = False) -> None:
         self.preset = preset
         self.config = train_config
         self.corpus = corpus
@@ -95,6 +109,8 @@ class Trainer:
         self.ep = ep
         if ep > 1 and ranks.world_size == 1:
             raise TrainError(f"--ep {ep} needs several processes (torchrun --nproc-per-node N, N a multiple of {ep})")
+        if cuda_graph:
+            _check_cuda_graph(device, ranks, compile)
         # A checkpoint of another run is refused before anything is allocated.
         checkpoint = read_checkpoint(self.checkpoint_path) if resume else None
         if checkpoint is not None:
@@ -123,8 +139,10 @@ class Trainer:
             self.train_model = distributed.data_parallel(self.model, ranks, device)
         if compile:
             self.train_model = torch.compile(self.train_model)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                         else contextlib.nullcontext())
+        # A captured step must not keep autocast's casts of the weights from one replay to the next.
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not cuda_graph)
+                         if device.type == "cuda" else contextlib.nullcontext())
+        self.captured = CapturedStep(self._step, self.optimizer, device) if cuda_graph else None
 
     @property
     def checkpoint_path(self) -> Path:
@@ -159,11 +177,22 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step; returns the LM loss and auxiliary loss (fp32 scalars) and the expert load
-        (int64 ``[n_layers, E]``), on the device. No host sync."""
+        (int64 ``[n_layers, E]``), on the device. No host sync. With ``cuda_graph``, after the warm-up
+        steps, a replay of the captured step (its outputs are overwritten by the next)."""
         self.train_model.train()
         inputs, targets = self.sampler.next_batch()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.config)
+        lr = lr_at(self.step, self.config)
+        if self.captured is not None:
+            outputs = self.captured(inputs, targets, lr)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            outputs = self._step(inputs, targets)
+        self.step += 1
+        return outputs
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward, backward, clipping, the optimizer and the expert bias at the groups' learning rates."""
         with self.autocast:
             logits = self.train_model(inputs)
         loss = lm_loss(logits, targets)
@@ -179,7 +208,6 @@ class Trainer:
             for moe in self.model.moe_layers():
                 distributed.sum_across_ranks(moe.router.load_since_update)
             self.model.update_expert_bias()
-        self.step += 1
         return loss.detach(), aux_loss.detach(), self.model.expert_load()
 
     @torch.no_grad()
@@ -287,7 +315,8 @@ class Trainer:
             "first_loss": self.history[0]["loss"], "loss": last["loss"], "held_out_loss": self._last_held_out_loss(),
             "load_balance": last["load_balance"], "parameters": total, "active_parameters": active,
             "data": self.corpus.name, "model_config": as_dict(self.model.config),
-            "train_config": as_dict(self.config), "files": [], "history": self.history,
+            "train_config": as_dict(self.config), "cuda_graph": self.captured is not None, "files": [],
+            "history": self.history,
         }
         if self.ranks.is_main:
             title = (f"dropless train --preset {self.preset}: {name}"
