@@ -7,7 +7,7 @@ replayed: each later step is a copy of the batch into the graph's input buffers,
 written into the optimizer's device tensors, and one launch.
 
 The first ``WARMUP_STEPS`` steps run eagerly (the kernels' compilation and tuning, the optimizer's state,
-the allocator's first sizes; the last on a side stream, as a capture needs). The step after them is
+the allocator's first sizes), on a side stream, as a capture needs. The step after them is
 captured, then replayed; so are all steps after it. Every step, warm-up included, is a real training step.
 """
 
@@ -40,6 +40,7 @@ class CapturedStep:
         self._inputs: torch.Tensor | None = None
         self._targets: torch.Tensor | None = None
         self._outputs: Outputs = ()
+        self._side = torch.cuda.Stream(device)
         for group in optimizer.param_groups:
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
             group["capturable"] = True
@@ -57,14 +58,16 @@ class CapturedStep:
             self._graph.replay()
             return self._outputs
         self._calls += 1
-        if self._calls < WARMUP_STEPS:
-            return self._step(inputs, targets)
-        if self._calls == WARMUP_STEPS:
-            side = torch.cuda.Stream(self._device)
-            side.wait_stream(torch.cuda.current_stream(self._device))
-            with torch.cuda.stream(side):
+        if self._calls <= WARMUP_STEPS:
+            # On a stream of their own, as a capture needs: autograd keeps the stream that first ran a
+            # parameter's gradient accumulation, and the legacy default stream cannot join a capture.
+            main = torch.cuda.current_stream(self._device)
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
                 outputs = self._step(inputs, targets)
-            torch.cuda.current_stream(self._device).wait_stream(side)
+            main.wait_stream(self._side)
+            for t in outputs:
+                t.record_stream(main)
             return outputs
         self._inputs, self._targets = inputs.clone(), targets.clone()
         graph = torch.cuda.CUDAGraph()
