@@ -92,6 +92,7 @@ def test_training_on_the_gpu_overfits(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
+    ({"compile": True}, "--compile do not go together"),
     ({"ranks": Ranks(world_size=2)}, "runs one process; this run has 2"),
     ({}, "needs a GPU; the device is cpu"),
 ])
