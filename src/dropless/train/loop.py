@@ -39,8 +39,8 @@ _HELD_OUT_SEED_OFFSET = 1_000_003
 def _check_cuda_graph(device: torch.device, ranks: Ranks, compile: bool) -> None:
     """TrainError unless a captured step can run here: one process on a GPU, without torch.compile."""
     if compile:
-        raise TrainError("--cuda-graph and --compile do not go together: the compiled model copies a host tensor "
-                         "to the GPU in each call, which a CUDA graph cannot capture; choose one")
+        raise TrainError("--cuda-graph and --compile do not go together: torch.compile compiles the model again "
+                         "during the capture, which a CUDA graph cannot hold; choose one")
     if ranks.world_size > 1:
         raise TrainError(f"--cuda-graph runs one process; this run has {ranks.world_size} (drop torchrun, or "
                          "--cuda-graph)")
