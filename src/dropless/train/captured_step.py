@@ -71,7 +71,9 @@ class CapturedStep:
             return outputs
         self._inputs, self._targets = inputs.clone(), targets.clone()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # Captured on the warm-up's stream: what ran there (a compiled model, gradient accumulation)
+        # finds the stream it was first run on.
+        with torch.cuda.graph(graph, stream=self._side):
             self._outputs = self._step(self._inputs, self._targets)
         self._graph = graph
         graph.replay()
