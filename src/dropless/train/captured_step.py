@@ -1,10 +1,10 @@
 """A training step captured in one CUDA graph and replayed (``dropless train --cuda-graph``).
 
-A small model's step is bound by the host: its Python and several hundred kernel launches take longer
-than the GPU's work. Nothing in a dropless step waits for the host, so the whole step (forward,
-backward, gradient clipping, the optimizer and the expert-bias update) can be captured once and then
-replayed: each later step is a copy of the batch into the graph's input buffers, the learning rate
-written into the optimizer's device tensors, and one launch.
+A small model's step spends part of its time on the host: its Python and several hundred kernel
+launches. Nothing in a dropless step waits for the host, so the whole step (forward, backward, gradient
+clipping, the optimizer and the expert-bias update) can be captured once and then replayed: each later
+step is a copy of the batch into the graph's input buffers, the learning rate written into the
+optimizer's device tensors, and one launch.
 
 The first ``WARMUP_STEPS`` steps run eagerly (the kernels' compilation and tuning, the optimizer's state,
 the allocator's first sizes), on a side stream, as a capture needs. The step after them is
@@ -59,8 +59,8 @@ class CapturedStep:
             return self._outputs
         self._calls += 1
         if self._calls <= WARMUP_STEPS:
-            # On a stream of their own, as a capture needs: autograd keeps the stream that first ran a
-            # parameter's gradient accumulation, and the legacy default stream cannot join a capture.
+            # On a stream of their own, as a capture needs: a parameter's gradient accumulation that first
+            # ran on the legacy default stream ran there again during the capture, which cannot join it.
             main = torch.cuda.current_stream(self._device)
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
@@ -71,8 +71,8 @@ class CapturedStep:
             return outputs
         self._inputs, self._targets = inputs.clone(), targets.clone()
         graph = torch.cuda.CUDAGraph()
-        # Captured on the warm-up's stream: what ran there (a compiled model, gradient accumulation)
-        # finds the stream it was first run on.
+        # Captured on the warm-up's stream, so that each gradient accumulation runs on the stream that
+        # first ran it (autograd warns where the two differ).
         with torch.cuda.graph(graph, stream=self._side):
             self._outputs = self._step(self._inputs, self._targets)
         self._graph = graph
