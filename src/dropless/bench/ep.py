@@ -33,10 +33,11 @@ work with no communication: E/P experts (the same weights), the same T tokens, e
 layer's experts drawn the same way, so ``T * k`` copies per GPU as the EP layer's ranks take on
 average, and the same router and shared-expert work. Every rank times both, the reference with no
 exchange between ranks. On GPUs, the symmetric-memory layer (no host sync) and the reference are also
-captured in CUDA graphs and timed as replays (``_graph``), and weighed against each other. Time: as above (barrier and sync before every step); ``ms`` is the slowest
-rank's (a data-parallel step waits for its slowest rank, with or without EP). Weak-scaling efficiency
-= one-GPU time / P-GPU time = ``dropless_one_gpu.ms / dropless_ep.ms``; gradients of replicated
-weights are not reduced across ranks in either (that is data parallelism's work, not the layer's).
+captured in CUDA graphs and timed as replays (``_graph``), and weighed against each other. Time: as
+above (barrier and sync before every step); ``ms`` is the slowest rank's (a data-parallel step waits for
+its slowest rank, with or without EP). Weak-scaling efficiency = one-GPU time / P-GPU time =
+``dropless_one_gpu.ms / dropless_ep.ms``; gradients of replicated weights are not reduced across ranks
+in either (that is data parallelism's work, not the layer's).
 
 Routing: every rank draws its own tokens' experts from a fixed seed and its rank (``routing.draw_topk``):
 ``balanced`` (uniform, balanced in expectation; the bars are judged on it) and, with ``--routing
@@ -328,7 +329,7 @@ def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], N
                         say(f"{cfg.name} {routing} {method} {recipe}: {record['error']}")
                         continue
                     items[key] = step
-                    if not method.endswith(ep_layer.GRAPHED):  # a graph replays the weight copies it cached
+                    if not method.endswith(ep_layer.GRAPHED):  # a graph keeps its buffers between replays
                         after[key] = lambda layer=layer: (ep_layer.release_caches(layer), _release(ranks.device))
                 out["samples"].update(_time_rounds(items, opts, ranks, after))
                 del items, after
@@ -478,7 +479,8 @@ def _meta(opts: EpOptions, ranks: Ranks, gathered: list[dict], methods: Sequence
               "communication; both: step = y = layer(x), torch.autograd.grad(y, [x, *params], dy); the routers' "
               "choice replaced by the seeded draw (weights: the router's sigmoid scores at the drawn experts, "
               "renormalized, x routed_scaling); replicated weights' gradients not reduced; *_graph: the step "
-              "captured in a CUDA graph (FP8 weight copies cached at capture) and timed as its replay",
+              "captured in a CUDA graph and timed as its replay (an FP8 layer quantizes its weights inside the graph, "
+              "every replay)",
         weak_scaling="dropless_one_gpu ms / dropless_ep ms (slowest ranks, same recipe and routing); "
                      "dropless_one_gpu_graph's for a _graph method",
         tflops="useful expert-GEMM FLOPs of one GPU's forward+backward on average, "
