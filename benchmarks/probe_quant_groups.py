@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 import dropless
 from dropless import reference
+from dropless.bench.fp8 import hbm_gbps
 from dropless.bench.routing import group_sizes
 from dropless.kernels import quantize as qk
 from dropless.quantized import get_recipe
@@ -64,18 +65,11 @@ def compare(label: str, x: torch.Tensor, recipe: str, offsets: torch.Tensor, cop
           f"{least / t_gluon / 1e6 / copy:7.2f} {t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
 
 
-def copy_gbps() -> float:
-    """A device copy's GB/s of 2 GiB, bytes read + written."""
-    src = torch.empty(2**30, dtype=torch.int16, device=DEV)
-    dst = torch.empty_like(src)
-    return 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipes", nargs="+", default=["block128", "mxfp8", "rowwise"])
     recipes = parser.parse_args().recipes
-    copy = copy_gbps()
+    copy = hbm_gbps(DEV, 10, 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
     print(f"{'tensor':14s} {'routing':8s} {'recipe':9s} {'triton us':>9s} {'gluon us':>9s} "
           f"{'triton':>7s} {'gluon':>7s} {'speedup':>7s}  (share of the copy)")

@@ -24,6 +24,7 @@ import torch
 from triton.testing import do_bench
 
 import dropless
+from dropless.bench.fp8 import hbm_gbps
 from dropless.bench.routing import group_sizes
 from dropless.kernels import quantize as qk
 from dropless.kernels.launch import next_power_of_2
@@ -61,11 +62,8 @@ def row(label: str, least_bytes: int, attribute: str, shapes, fn, copy_gbps: flo
 
 
 def main() -> None:
-    src = torch.empty(2**30, dtype=torch.int16, device=DEV)
-    dst = torch.empty_like(src)
-    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+    copy = hbm_gbps(DEV, 10, 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
-    del src, dst
 
     group_shapes = [(128, 64, 4), (128, 32, 4), (128, 64, 8), (128, 128, 8)]
     tensors = [("qwen3 x", 128, 65536, 2048), ("qwen3-down x", 128, 65536, 768), ("dsv3 dy", 32, 32768, 7168),

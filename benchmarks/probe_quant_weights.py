@@ -19,6 +19,7 @@ os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
 
 import torch
 import dropless
+from dropless.bench.fp8 import hbm_gbps
 from dropless.bench.timing import graphed_median_ms, median_ms
 from probe_quant_groups import triton_only  # the benchmarks folder is the script's
 
@@ -41,11 +42,8 @@ def same_bytes(a, b) -> bool:
 
 
 def main() -> None:
-    src = torch.empty(2**30, dtype=torch.int16, device=DEV)
-    dst = torch.empty_like(src)
-    copy = 4 * 2**30 / ms(lambda: dst.copy_(src)) / 1e6
+    copy = hbm_gbps(DEV, 10, 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written); K={K} N={N}")
-    del src, dst
     print(f"{'':24s} {'Gluon':>7s} {'graphed':>7s} {'Triton':>7s} {'graphed':>7s}  (share of the copy)")
     for E in (8, 32, 128, 256):
         for layout in ("nk", "kn"):

@@ -15,9 +15,9 @@ its kernel reads them through TMA whatever the recipe. Where both orientations o
 (backward) are needed, the copy along the tokens is made after the product that reads the other is
 done, so the two never coexist, and where dy is over four times as wide as x (a wide gate/up projection)
 the weight gradient takes dy's columns in runs of K, each quantized when its product runs, so that the
-copy the backward holds at its peak (with the weight gradient) is no larger than x's. Rows past the last group (a buffer sized for the most rows a rank can
-receive) are neither quantized (``quantize(..., tail=False)``) nor multiplied: the products write their
-zeros only.
+copy the backward holds at its peak (with the weight gradient) is no larger than x's. Rows past the
+last group (a buffer sized for the most rows a rank can receive) are neither quantized
+(``quantize(..., tail=False)``) nor multiplied: the products write their zeros only.
 """
 
 from __future__ import annotations
