@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dropless.train import captured_step
 from dropless.train.checkpoint import load_model, read_checkpoint
 from dropless.train.data import encode, load_corpus
 from dropless.train.distributed import Ranks
@@ -92,7 +93,6 @@ def test_training_on_the_gpu_overfits(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"compile": True}, "--compile do not go together"),
     ({"ranks": Ranks(world_size=2)}, "runs one process; this run has 2"),
     ({}, "needs a GPU; the device is cpu"),
 ])
@@ -124,6 +124,23 @@ def test_captured_step_trains_like_the_eager_one_and_resumes(tmp_path):
     assert resumed.step == 6 and resumed.optimizer.param_groups[0]["lr"].is_cuda
     resumed.run()
     assert_same_state(resumed, straight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_model_captured_without_compiling_again(tmp_path):
+    """``compile`` with ``cuda_graph``: the model compiled in the warm-up steps is the one captured (a
+    compilation during the capture raises here), and the losses follow the eager run's."""
+    random_text(tmp_path / "text.txt", 300)
+    run = dataclasses.replace(SMALL_RUN, steps=8, log_every=1)
+    eager = make_trainer(tmp_path, "eager", run=run, device="cuda").run()
+    trainer = make_trainer(tmp_path, "graph", run=run, device="cuda", cuda_graph=True, compile=True)
+    trainer.run(until=captured_step.WARMUP_STEPS)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        summary = trainer.run()
+    assert trainer.captured.captured
+    for a, b in zip(eager["history"], summary["history"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

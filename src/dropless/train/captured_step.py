@@ -52,9 +52,15 @@ class CapturedStep:
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> Outputs:
         for group in self._optimizer.param_groups:
             group["lr"].fill_(lr)
-        if self._graph is not None:
+        if self._inputs is None:
+            # The graph's input buffers, which the warm-up steps use too: a compiled model guards on its
+            # inputs' strides (the batch's are a slice's), and one that saw other strides while warming
+            # up would compile again inside the capture.
+            self._inputs, self._targets = inputs.clone(), targets.clone()
+        else:
             self._inputs.copy_(inputs)
             self._targets.copy_(targets)
+        if self._graph is not None:
             self._graph.replay()
             return self._outputs
         self._calls += 1
@@ -64,12 +70,11 @@ class CapturedStep:
             main = torch.cuda.current_stream(self._device)
             self._side.wait_stream(main)
             with torch.cuda.stream(self._side):
-                outputs = self._step(inputs, targets)
+                outputs = self._step(self._inputs, self._targets)
             main.wait_stream(self._side)
             for t in outputs:
                 t.record_stream(main)
             return outputs
-        self._inputs, self._targets = inputs.clone(), targets.clone()
         graph = torch.cuda.CUDAGraph()
         # Captured on the warm-up's stream, so that each gradient accumulation runs on the stream that
         # first ran it (autograd warns where the two differ).

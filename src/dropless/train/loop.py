@@ -36,11 +36,8 @@ from dropless.train.report import load_balance, plot_expert_load, plot_loss_curv
 _HELD_OUT_SEED_OFFSET = 1_000_003
 
 
-def _check_cuda_graph(device: torch.device, ranks: Ranks, compile: bool) -> None:
-    """TrainError unless a captured step can run here: one process on a GPU, without torch.compile."""
-    if compile:
-        raise TrainError("--cuda-graph and --compile do not go together: torch.compile compiles the model again "
-                         "during the capture, which a CUDA graph cannot hold; choose one")
+def _check_cuda_graph(device: torch.device, ranks: Ranks) -> None:
+    """TrainError unless a captured step can run here: one process on a GPU."""
     if ranks.world_size > 1:
         raise TrainError(f"--cuda-graph runs one process; this run has {ranks.world_size} (drop torchrun, or "
                          "--cuda-graph)")
@@ -111,7 +108,7 @@ class Trainer:
         if ep > 1 and ranks.world_size == 1:
             raise TrainError(f"--ep {ep} needs several processes (torchrun --nproc-per-node N, N a multiple of {ep})")
         if cuda_graph:
-            _check_cuda_graph(device, ranks, compile)
+            _check_cuda_graph(device, ranks)
         # A checkpoint of another run is refused before anything is allocated.
         checkpoint = read_checkpoint(self.checkpoint_path) if resume else None
         if checkpoint is not None:
