@@ -2,11 +2,11 @@
 
     python benchmarks/probe_decode.py [--configs] [--profile]
 
-For each decode shape with balanced and all-to-one routing: the forward and the input gradient timed as
-the benchmark times them (``do_bench``, L2 flushed) with the tuned config (``--configs``: and with each
-ragged-M config forced), against torch._grouped_mm; and the fwd+bwd step three ways: as the benchmark times it, replayed
-from a CUDA graph (the GPU's time alone), and the host's time per step (queued behind a long matmul, so
-no call waits for the GPU). ``--profile``: cProfile of 50 dropless fwd+bwd steps at qwen3's down
+For each decode shape with balanced and all-to-one routing: each pass timed as the benchmark times it
+(``do_bench``, L2 flushed) and replayed from a CUDA graph (the GPU's time alone), with the tuned config
+(``--configs``: and the forward and input gradient with each ragged-M config forced), against
+torch._grouped_mm; and the fwd+bwd step three ways: as the benchmark times it, replayed from a CUDA graph,
+and the host's time per step (queued behind a long matmul, so no call waits for the GPU). ``--profile``: cProfile of 50 dropless fwd+bwd steps at qwen3's down
 projection, all-to-one. Prints a table; ``--json PATH`` writes the rows.
 """
 import argparse, cProfile, io, json, pstats, time
@@ -78,6 +78,8 @@ def main():
                 c = torch.empty(M, b.shape[2], device=dev, dtype=torch.bfloat16)
                 row[f"{pass_} torch"] = ms(lambda: torch._grouped_mm(a, b, offs=offs))
                 row[f"{pass_} tuned"] = ms(lambda: dropless.grouped_mm(a, b, offs))
+                row[f"{pass_} torch graphed"] = graphed_median_ms(lambda: torch._grouped_mm(a, b, offs=offs), dev, 25, 100)
+                row[f"{pass_} tuned graphed"] = graphed_median_ms(lambda: dropless.grouped_mm(a, b, offs), dev, 25, 100)
                 for name, cfg in CONFIGS.items() if args.configs else ():
                     try:
                         row[f"{pass_} {name}"] = ms(lambda: tuning.run_ragged_m(a, b, offs, c, config=cfg))
@@ -88,6 +90,8 @@ def main():
             row["fwd dropless host"] = host_us(lambda: dropless.grouped_mm(x, w, offs)) / 1e3
             row["wgrad torch"] = ms(lambda: torch._grouped_mm(x.t(), dy, offs=offs))
             row["wgrad tuned"] = ms(lambda: dropless.grouped_mm_wgrad(x, dy, offs))
+            row["wgrad torch graphed"] = graphed_median_ms(lambda: torch._grouped_mm(x.t(), dy, offs=offs), dev, 25, 100)
+            row["wgrad tuned graphed"] = graphed_median_ms(lambda: dropless.grouped_mm_wgrad(x, dy, offs), dev, 25, 100)
             for name, mm in (("dropless", lambda a, b: dropless.grouped_mm(a, b, offs)),
                              ("torch", lambda a, b: torch._grouped_mm(a, b, offs=offs))):
                 step = step_of(mm, x, w, dy)
@@ -97,8 +101,9 @@ def main():
             rows.append(row)
             print(json.dumps({k: (round(v * 1e3, 1) if isinstance(v, float) else v) for k, v in row.items()}),
                   flush=True)
-    cols = ["fwd torch", "fwd tuned", "fwd 64x128", "fwd 64x128x64/s4", "fwd 128x128/x2", "dgrad torch",
-            "dgrad tuned", "dgrad 64x128", "wgrad torch", "wgrad tuned", "step torch bench", "step dropless bench",
+    cols = ["fwd torch", "fwd tuned", "fwd torch graphed", "fwd tuned graphed", "dgrad torch", "dgrad tuned",
+            "dgrad torch graphed", "dgrad tuned graphed", "wgrad torch", "wgrad tuned", "wgrad torch graphed",
+            "wgrad tuned graphed", "step torch bench", "step dropless bench",
             "step torch graphed", "step dropless graphed", "step torch host", "step dropless host", "fwd torch host", "fwd dropless host"]
     print("microseconds; step host = host time per fwd+bwd step")
     print(f"{'shape':28s} {'routing':10s} " + " ".join(f"{c[:14]:>14s}" for c in cols))
