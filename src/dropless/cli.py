@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument("--cuda-graph", action="store_true",
                        help="capture the whole training step in a CUDA graph after 3 eager steps and replay it "
-                            "(one GPU, one process, not with --compile)")
+                            "(one GPU, one process; with --compile, the compiled step is captured)")
     train.set_defaults(handler=_train)
 
     generate = sub.add_parser("generate", help="sample text from a checkpoint of dropless train",
