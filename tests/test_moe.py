@@ -214,6 +214,15 @@ def test_moe_rejects_bad_top_k_at_construction(top_k):
         MoE(8, 8, 4, top_k)
 
 
+def test_expert_parallel_without_a_process_group():
+    """``expert_parallel()`` where torch.distributed was never set up names what is missing instead of
+    returning the whole layer."""
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="^expert_parallel needs torch.distributed: call "
+                                           "torch.distributed.init_process_group first"):
+        MoE(16, 8, num_experts=4, top_k=2).expert_parallel()
+
+
 @pytest.mark.slow
 def test_moe_compiles_fullgraph(reference_backend):
     torch._dynamo.reset()

@@ -178,7 +178,7 @@ class GroupedLinear(nn.Module):
         Returns:
             ``[M, out_features]`` in x's dtype (the autocast dtype under ``torch.autocast``).
         """
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be a tensor of shape [M, in_features={self.in_features}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         rows = x.shape[0] if gather is None else self._check_gather(gather, x, x_quantized)

@@ -252,6 +252,9 @@ class MoE(nn.Module):
         over the ranks equal this layer's on all the ranks' tokens."""
         if self.ep_group is not None:
             raise ValueError("this layer is already expert-parallel")
+        if group is None and not dist.is_initialized():
+            raise RuntimeError("expert_parallel needs torch.distributed: call torch.distributed.init_process_group "
+                               "first (under torchrun), or pass the process group of the expert-parallel ranks")
         weight = self.experts_gate_up.weight
         options = dict(self.options)
         if backend is not None:

@@ -39,7 +39,7 @@ def check_matrix(name: str, t: torch.Tensor, ndim: int | tuple[int, ...], dtypes
     if t.dim() not in ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        raise TypeError(f"{name} must have dtype in {list(dict.fromkeys(map(str, dtypes)))}, got {t.dtype}")
 
 
 def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
