@@ -220,17 +220,18 @@ def run_ep(opts: EpOptions, ranks: Ranks, log: Callable[[str], None] = lambda s:
     for b in opts.backends:
         if b not in accepted:
             say(f"dispatch backend {b}: {status[b]}")
-    methods = ep_exchange.method_names(accepted, opts.fp8, graphs=ranks.device.type == "cuda")
+    graphs = ranks.device.type == "cuda"  # graph-replayed methods: GPUs only
+    methods = ep_exchange.method_names(accepted, opts.fp8, graphs=graphs)
     per_rank = {"records": {}, "samples": {}}
     if "exchange" in opts.parts:
         _run_exchange(opts, ranks, methods, per_rank, say)
     if "layer" in opts.parts:
-        _run_layers(opts, ranks, per_rank, say)
+        _run_layers(opts, ranks, ep_layer.layer_methods(graphs), per_rank, say)
     gathered = ranks.gather({**per_rank, "device": device_name(ranks.device)})
     if ranks.rank != 0:
         return None
     rows = (_exchange_rows(opts, ranks.world, methods, gathered)
-            + _layer_rows(opts, ranks.world, gathered, graphs=ranks.device.type == "cuda"))
+            + _layer_rows(opts, ranks.world, ep_layer.layer_methods(graphs), gathered))
     meta = _meta(opts, ranks, gathered, methods, status)
     meta["tuned_configs"] = tuned_configs()  # rank 0's
     meta["seconds"] = round(time.perf_counter() - started, 1)
@@ -293,8 +294,8 @@ def _run_exchange(opts: EpOptions, ranks: Ranks, methods: Sequence[str], out: di
     _release(ranks.device)
 
 
-def _run_layers(opts: EpOptions, ranks: Ranks, out: dict, say: Callable[[str], None]) -> None:
-    methods = ep_layer.layer_methods(graphs=ranks.device.type == "cuda")
+def _run_layers(opts: EpOptions, ranks: Ranks, methods: Sequence[str], out: dict,
+                say: Callable[[str], None]) -> None:
     for cfg in ep_layer.select_configs(opts.configs, opts.quick):
         weights, error = ranks.agreed(lambda: ep_layer.make_weights(cfg, ranks.group, ranks.device, opts.dtype,
                                                                     opts.seed))
@@ -424,11 +425,10 @@ def _exchange_rows(opts: EpOptions, world: int, methods: Sequence[str], gathered
     return rows
 
 
-def _layer_rows(opts: EpOptions, world: int, gathered: list[dict], graphs: bool) -> list[dict]:
+def _layer_rows(opts: EpOptions, world: int, methods: Sequence[str], gathered: list[dict]) -> list[dict]:
     if "layer" not in opts.parts:
         return []
     rows = []
-    methods = ep_layer.layer_methods(graphs)
     for cfg in ep_layer.select_configs(opts.configs, opts.quick):
         for routing in opts.routings:
             for recipe in opts.recipes:

@@ -60,7 +60,7 @@ def layer_methods(graphs: bool) -> tuple[str, ...]:
 def reference(method: str) -> str:
     """The one-GPU method an EP method's weak scaling is measured against: replayed from a graph where the
     EP method is, so that both steps have their host's share removed alike."""
-    return "dropless_one_gpu_graph" if method.endswith(GRAPHED) else "dropless_one_gpu"
+    return "dropless_one_gpu" + (GRAPHED if method.endswith(GRAPHED) else "")
 
 
 @dataclass(frozen=True)
