@@ -456,23 +456,27 @@ def test_output_past_2_pow_31_elements():
 @needs_sm90
 def test_direct_launch_reuses_compiled_kernels():
     """A Gluon kernel compiles once per specialization: a second problem with the same one launches the
-    compiled kernel directly and is right; a problem with another (an M not divisible by 16) compiles
-    its own."""
+    compiled kernel directly and is right, and so is the same problem again (the per-call key); a
+    problem with another (an M not divisible by 16, offsets not 16-byte aligned) compiles its own."""
     from dropless.kernels.ragged_m_hopper import _LAUNCH
 
     config = hopper_candidates()["ragged_m"][0]
     K, N = 256, 384
     w = make_w(6, K, N, torch.bfloat16, DEVICE, "kn")
-    _LAUNCH.compiled.clear()
+    _LAUNCH.clear()
     compiled_before = 0
-    for M, seed, new_kernels in ((4096, 0, 1), (2048, 1, 0), (4095, 2, 1)):
+    for M, seed, aligned, new_kernels in ((4096, 0, True, 1), (2048, 1, True, 0), (2048, 4, True, 0),
+                                          (4095, 2, True, 1), (4095, 3, False, 1), (4095, 5, False, 0)):
         sizes = _sizes(6, M - 5, seed)
         x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
         offsets = offsets_of(sizes, DEVICE)
+        if not aligned:
+            offsets = torch.cat([offsets[:1], offsets])[1:]
+            assert offsets.data_ptr() % 16 != 0
         y = poisoned((M, N), torch.bfloat16, DEVICE)
         run_ragged_m(x, w, offsets, y, config=config)
         assert_rows_close(y, reference.grouped_mm(x.double(), w.double(), offsets), sizes, torch.bfloat16)
-        assert len(_LAUNCH.compiled) == compiled_before + new_kernels, M
+        assert len(_LAUNCH.compiled) == compiled_before + new_kernels, (M, seed)
         compiled_before = len(_LAUNCH.compiled)
 
 

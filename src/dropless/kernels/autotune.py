@@ -76,10 +76,11 @@ class Autotuner:
         than ``MIN_TUNED_FLOPS`` (microseconds of work, where launch latency dominates and tuning
         would cost seconds, as in token-by-token generation) take the default.
         """
+        config = self.cache.get(key)
+        if config is not None:
+            return config
         if interpreting() and device.type != "cuda":
             return self.interpreter_config
-        if key in self.cache:
-            return self.cache[key]
         default = self.default if element_size <= 2 else self.small_default
         if (os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or flops < MIN_TUNED_FLOPS
                 or getattr(_untimed, "on", False) or torch.cuda.is_current_stream_capturing()):

@@ -107,6 +107,13 @@ def hopper_fp8_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bo
 
 
 @functools.cache
+def _cuda_info(index: int, no_tma: bool) -> LaunchInfo:
+    """``launch_info`` of CUDA device ``index``, kept: it is asked on every launch."""
+    info = _device_info(torch.device("cuda", index))
+    return LaunchInfo(info.num_programs, False, info.upcast) if no_tma and info.tma else info
+
+
+@functools.cache
 def _device_info(device: torch.device) -> LaunchInfo:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -116,11 +123,13 @@ def _device_info(device: torch.device) -> LaunchInfo:
 
 def launch_info(device: torch.device, tma: bool | None = None) -> LaunchInfo:
     """Launch facts for ``device``; ``tma=False`` forces the pointer path (``True`` is a request)."""
-    if device.type != "cuda" and not interpreting():
+    if device.type == "cuda":
+        return _cuda_info(device.index or 0, tma is False)
+    if not interpreting():
         raise RuntimeError(
             f"Triton kernels need a CUDA tensor (got device {device}); set TRITON_INTERPRET=1 to run "
             "them on the CPU, or use the reference backend")
-    info = _device_info(torch.device(device.type, device.index or 0) if device.type == "cuda" else device)
+    info = _device_info(device)
     if tma is False and info.tma:
         return LaunchInfo(info.num_programs, False, info.upcast)
     return info

@@ -400,7 +400,14 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     else:
         a_desc, b_desc = descriptor(a, [bm, bk]), descriptor(b, [bm, bn])
     sa, sb = scales if scales is not None else (c, c)
-    _LAUNCH(grid, a_desc=a_desc, b_desc=b_desc, c_desc=descriptor(c, [1, bk, bn]),
+    # Everything the launch's specialization depends on, for DirectLaunch's per-call key.
+    call_key = ("ragged_k", a.shape, a.stride(), a.dtype, b.shape, b.stride(), c.shape, c.stride(), c.dtype, config,
+                accumulate, offsets.dtype, offsets.data_ptr() % 16, c.data_ptr() % 16, counter.data_ptr() % 16)
+    if flags is not None:
+        call_key += (flags.dtype, flags.data_ptr() % 16)
+    if scales is not None:
+        call_key += (sa.dtype, sa.stride(0), sa.data_ptr() % 16, sb.dtype, sb.stride(0), sb.data_ptr() % 16)
+    _LAUNCH(grid, call_key, a_desc=a_desc, b_desc=b_desc, c_desc=descriptor(c, [1, bk, bn]),
             c_ptr=c, flags_ptr=flags if flags is not None else offsets, stride_ce=c.stride(0), stride_ck=c.stride(1),
             sa_ptr=sa, sb_ptr=sb, stride_sa=sa.stride(0) if scales is not None else 0,
             stride_sb=sb.stride(0) if scales is not None else 0,

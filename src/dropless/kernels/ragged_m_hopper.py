@@ -290,7 +290,12 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     max_tiles = (cdiv(M, bm) + E + 1) * cdiv(N, bn)
     grid = (max(1, min(num_programs, max_tiles)), )
     sa, sb = scales if scales is not None else (c, c)
-    _LAUNCH(grid, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
+    # Everything the launch's specialization depends on, for DirectLaunch's per-call key.
+    call_key = ("ragged_m", a.shape, a.stride(), a.dtype, b.shape, b.stride(), c.shape, c.stride(), c.dtype, config,
+                tail, offsets.dtype, offsets.data_ptr() % 16, c.data_ptr() % 16)
+    if scales is not None:
+        call_key += (sa.dtype, sa.data_ptr() % 16, sb.dtype, sb.stride(0), sb.data_ptr() % 16)
+    _LAUNCH(grid, call_key, a_desc=descriptor(a, [bm, bk]), b_desc=b_desc,
             c_desc=descriptor(c, [bm, bn // 2 if halves else bn]), c_ptr=c, stride_cm=c.stride(0),
             sa_ptr=sa, sb_ptr=sb, stride_sbe=sb.stride(0) if scales is not None else 0,
             offsets_ptr=offsets, M=M, N=N, K=K, E=E, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
@@ -243,16 +245,43 @@ FP8_TUNERS = (_RAGGED_M_FP8, _RAGGED_M_FP8_FAST, _RAGGED_M_FP8_STEP128, _RAGGED_
               _RAGGED_K_FP8_FAST, _RAGGED_K_FP8_HOPPER, _RAGGED_K_FP8_HOPPER_ACCUMULATE, _RAGGED_K_FP8_STEP32)
 
 
+class _Decisions(dict):
+    """The launch facts, tuner and problem class of a product decided once per call signature on a GPU,
+    so a repeated call skips the checks that decide them (tens of microseconds of host time a call)."""
+
+    def decide(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tma: bool | None, extra: Hashable,
+               decide: Callable[[], tuple]) -> tuple:
+        """``decide()``'s result, kept per signature: the operands' shapes, strides, dtypes, device and
+        16-byte alignment (what TMA needs), ``tma`` and ``extra``. Computed afresh off the GPU."""
+        if not a.is_cuda:
+            return decide()
+        signature = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, c.dtype, a.device,
+                     a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, tma, extra)
+        decided = self.get(signature)
+        if decided is None:
+            if len(self) >= 4096:
+                self.clear()
+            decided = self[signature] = decide()
+        return decided
+
+
+_RAGGED_M_CLASSES = _Decisions()
+_RAGGED_K_CLASSES = _Decisions()
+
+
 def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                  tma: bool | None = None, config: GemmConfig | None = None, tail: bool = True) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
     with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds); ``tail=False`` leaves c's rows
     past ``offsets[-1]`` as they are instead of zeroing them."""
-    info = launch_info(a.device, tma)
-    hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
-    tuner = _RAGGED_M_HOPPER if hopper else _RAGGED_M
-    key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2], b.shape[0],
-                        M=a.shape[0])
+    def decide() -> tuple:
+        info = launch_info(a.device, tma)
+        hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
+        key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2],
+                            b.shape[0], M=a.shape[0])
+        return info, _RAGGED_M_HOPPER if hopper else _RAGGED_M, key
+
+    info, tuner, key = _RAGGED_M_CLASSES.decide(a, b, c, tma, (), decide)
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
@@ -276,12 +305,16 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
     """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config of its
     class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
     a, b, c = oriented(a, b, c)
-    info = launch_info(a.device, tma)
-    if info.tma and hopper_wgrad_ok(a, b, c):
-        tuner = _RAGGED_K_HOPPER if c.dtype == a.dtype and not accumulate else _RAGGED_K_HOPPER_ACCUMULATE
-    else:
-        tuner = _RAGGED_K
-    key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
+    def decide() -> tuple:
+        info = launch_info(a.device, tma)
+        if info.tma and hopper_wgrad_ok(a, b, c):
+            tuner = _RAGGED_K_HOPPER if c.dtype == a.dtype and not accumulate else _RAGGED_K_HOPPER_ACCUMULATE
+        else:
+            tuner = _RAGGED_K
+        key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
+        return info, tuner, key
+
+    info, tuner, key = _RAGGED_K_CLASSES.decide(a, b, c, tma, accumulate != 0, decide)
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:

@@ -13,6 +13,8 @@ differentiable (the FP8 GEMMs carry the gradients).
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import replace
 
 import torch
@@ -53,6 +55,7 @@ def empty_quantized(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups
     return data, scale
 
 
+@functools.cache
 def _recipe_of(name: str, pow2: bool, mx_rounding: str) -> Recipe:
     return replace(RECIPES[name], pow2=pow2, mx_rounding=mx_rounding)
 
