@@ -57,7 +57,9 @@ _RAGGED_K = Autotuner(
 # the 3 at mixtral, 1.00-1.12x at qwen3 and 0.93-1.06x at dsv3 and gpt-oss; the better Triton config
 # was 0.91-1.07x the better Gluon one (benchmarks/NOTES.md, v5), and the tuner picked the
 # warp-specialized one for two of the four Mixtral MoE classes. The 32-deep Gluon config (0.83-1.03x)
-# and the 128x128 Triton tiles (never picked in a benchmark run) are no longer candidates.
+# and the 128x128 Triton tiles (never picked in a benchmark run) are no longer candidates. 64-row tiles
+# for groups of a few rows (decode: at most 16 rows an expert), where a 128-row tile is mostly empty:
+# 0.91-0.97x the tuned time at Mixtral's decode shapes in one probe (benchmarks/NOTES.md, v33).
 _RAGGED_M_HOPPER = Autotuner(
     "ragged_m_hopper",
     candidates=[
@@ -65,6 +67,8 @@ _RAGGED_M_HOPPER = Autotuner(
         GemmConfig(128, 256, 64, num_warps=8, num_stages=4, gluon=True),
         GemmConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True),
         GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True, tma_store=True),
+        GemmConfig(64, 256, 64, num_warps=4, num_stages=4, gluon=True),
+        GemmConfig(64, 256, 64, num_warps=4, num_stages=4, flatten=True),
     ],
     default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
