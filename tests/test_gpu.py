@@ -481,10 +481,12 @@ def test_direct_launch_reuses_compiled_kernels():
 
 
 @needs_sm90
-def test_direct_launch_from_a_thread_without_cuda_work():
-    """A compiled Gluon kernel launched from a thread that has made no CUDA call yet (as autograd's
-    device thread is when a dropless op's backward is the first CUDA work in it) is right."""
-    config = hopper_candidates()["ragged_m"][0]
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_launch_from_a_thread_without_cuda_work(gluon):
+    """A compiled kernel with TMA descriptors (Gluon, through the direct launch, or Triton, through its
+    JIT) launched from a thread that has made no CUDA call yet (as autograd's device thread is when a
+    dropless op's backward is the first CUDA work in it) is right."""
+    config = next(c for c in hopper_candidates()["ragged_m"] if c.gluon == gluon)
     M, K, N, E = 1000, 256, 384, 5
     w = make_w(E, K, N, torch.bfloat16, DEVICE, "kn")
     x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)

@@ -15,10 +15,7 @@ each descriptor's dtype, block shape and layout), which maps to the compiled ker
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import operator
-import threading
 from typing import Any
 
 import torch
@@ -26,6 +23,8 @@ from triton import knobs
 from triton.backends.compiler import BaseBackend
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import JITFunction, KernelParam, native_specialize_impl
+
+from dropless.kernels.launch import make_context_current
 
 
 # Per-call keys kept at most (integer arguments such as M are in them, so a caller whose sizes keep
@@ -66,6 +65,7 @@ class DirectLaunch:
         of each pointer, the constexprs' sources); without it one is made from the arguments."""
         values = self._values(args)
         device = torch.cuda.current_device()
+        make_context_current(device)
         if call_key is None:
             call_key = (self._constant_values(args), *[_call_key(values[i]) for i in self._runtime])
         call_key = (device, call_key)
@@ -80,7 +80,6 @@ class DirectLaunch:
                 self.compiled[key] = self._by_call[call_key] = self.kernel[grid](**args)
                 return
             self._by_call[call_key] = compiled
-        _context_current(device)
         grid = (*grid, 1, 1)
         if _hooked():
             compiled[grid[:3]](*values)
@@ -113,43 +112,3 @@ def _specialization(param: KernelParam, value: Any) -> Any:
         return value.base.dtype, tuple(value.block_shape), value.layout
     return native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
                                   not param.do_not_specialize_on_alignment)
-
-
-_THREAD = threading.local()
-
-
-def _context_current(device: int) -> None:
-    """Make ``device``'s primary CUDA context current in this thread, once per thread and device.
-
-    A compiled kernel's launch encodes its TMA descriptors through the driver API, which needs a
-    current context. A thread that has made no CUDA runtime call yet has none: autograd's device
-    thread, when a dropless op is the first CUDA work of a backward pass. (Triton's JIT sets the
-    context when it loads a kernel, in the thread that compiles it.)
-    """
-    done = getattr(_THREAD, "devices", None)
-    if done is None:
-        done = _THREAD.devices = set()
-    if device in done:
-        return
-    libcuda = _libcuda()
-    context = ctypes.c_void_p()
-    _check(libcuda.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
-    current = ctypes.c_int(-1)
-    if context.value:
-        _check(libcuda.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
-    if current.value != device:
-        handle = ctypes.c_int()
-        _check(libcuda.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
-        _check(libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
-        _check(libcuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-    done.add(device)
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _check(result: int, call: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"{call} failed with CUDA driver error {result}")

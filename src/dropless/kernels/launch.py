@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +47,51 @@ class LaunchInfo:
 
     @staticmethod
     def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+        """A TMA descriptor of ``t`` for a Triton kernel, with t's device's context current in this thread
+        (the launch encodes it through the driver)."""
+        if t.is_cuda:
+            make_context_current(t.get_device())
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape)
+
+
+_THREAD = threading.local()
+
+
+def make_context_current(device: int) -> None:
+    """Make ``device``'s primary CUDA context current in this thread, once per thread and device.
+
+    A launch with host-side TMA descriptors encodes them through the driver API, which needs a current
+    context. A thread that has made no CUDA runtime call yet has none: autograd's device thread, when a
+    dropless op is the first CUDA work of a backward pass. (Triton's JIT sets the context when it loads
+    a kernel, in the thread that compiles it.)
+    """
+    done = getattr(_THREAD, "devices", None)
+    if done is None:
+        done = _THREAD.devices = set()
+    if device in done:
+        return
+    libcuda = _libcuda()
+    context = ctypes.c_void_p()
+    _check(libcuda.cuCtxGetCurrent(ctypes.byref(context)), "cuCtxGetCurrent")
+    current = ctypes.c_int(-1)
+    if context.value:
+        _check(libcuda.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
+    if current.value != device:
+        handle = ctypes.c_int()
+        _check(libcuda.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        _check(libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle), "cuDevicePrimaryCtxRetain")
+        _check(libcuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    done.add(device)
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver error {result}")
 
 
 def cdiv(a: int, b: int) -> int:
