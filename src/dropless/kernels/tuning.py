@@ -259,7 +259,7 @@ class _Decisions(dict):
         16-byte alignment (what TMA needs), ``tma`` and ``extra``. Computed afresh off the GPU."""
         if not a.is_cuda:
             return decide()
-        signature = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, c.dtype, a.device,
+        signature = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype, a.device,
                      a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, tma, extra)
         decided = self.get(signature)
         if decided is None:
