@@ -411,6 +411,37 @@ def test_direct_launch_key_follows_specialization():
     assert key("STAGES", 3) != key("STAGES", 4)
 
 
+def test_direct_launch_call_key_is_as_fine_as_the_specialization():
+    """Two arguments with one per-call key have one JIT specialization (the per-call key maps to the
+    compiled kernel of the first call with it), and a call key changes with each tensor's dtype and
+    16-byte alignment, each integer's value and each descriptor's block shape."""
+    from dropless.kernels.direct_launch import _call_key, _specialization
+    from dropless.kernels.hopper import descriptor
+    from dropless.kernels.ragged_m_hopper import _LAUNCH
+
+    params = {param.name: param for param in _LAUNCH.params}
+    flat = torch.empty(256, dtype=torch.bfloat16)
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    samples = {
+        "c_ptr": [flat, flat[8:], flat[1:], flat[3:], flat.half(), flat.float()[4:]],
+        "M": [1, 2, 15, 16, 4096, 4095, 2**31, 2**31 + 16, 2**33],
+        "a_desc": [descriptor(x, [128, 64]), descriptor(torch.randn(512, 128, dtype=torch.bfloat16), [128, 64]),
+                   descriptor(x, [64, 64]), descriptor(x.half(), [128, 64])],
+    }
+    for name, values in samples.items():
+        for u in values:
+            for v in values:
+                if _call_key(u) == _call_key(v):
+                    assert _specialization(params[name], u) == _specialization(params[name], v), (name, u, v)
+    assert _call_key(flat) == _call_key(flat[8:]) != _call_key(flat[1:]) != _call_key(flat.half())
+    assert _call_key(4096) != _call_key(65536) and _call_key(1) != _call_key(True)
+    assert _call_key(samples["a_desc"][0]) == _call_key(samples["a_desc"][1]) != _call_key(samples["a_desc"][2])
+    # The constexprs and the compile options (num_warps) are in the key; runtime arguments are not.
+    args = {param: 0 for param in params}
+    keys = {_LAUNCH._constant_values({**args, "num_warps": w, "M": m}) for w in (4, 8) for m in (16, 32)}
+    assert len(keys) == 2
+
+
 def test_host_integer_helpers_match_triton():
     import triton
 
