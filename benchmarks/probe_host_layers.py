@@ -1,14 +1,14 @@
 """The host's time of one grouped GEMM call, layer by layer (issue 20's decode rows, issue 17's qwen3 rows).
 
-    python benchmarks/probe_host_layers.py [--json PATH] [--profile]
+    python benchmarks/probe_host_layers.py [--json PATH]
 
 At qwen3's decode down projection (E = 128, M = 1,536, K = 768, N = 2,048, all-to-one routing), each layer
 of the forward's call path is timed on the host with the GPU kept busy (``host_us``: calls queued behind
 ~4 ms of matmuls, so none waits for the GPU; the least of 12 rounds, as the host's load varies), from the kernel launch with ready arguments up to the public
 call, with and without autograd; then the weight gradient's path and whole fwd+bwd steps, BF16 and FP8
-rowwise (weights cached), against torch._grouped_mm. ``--profile``: cProfile of 50 BF16 steps.
+rowwise (weights cached), against torch._grouped_mm. (``probe_decode.py --profile`` gives a step's cProfile.)
 """
-import argparse, cProfile, io, json, pstats, time
+import argparse, json, time
 
 import numpy as np
 import torch
@@ -45,7 +45,6 @@ def host_us(fn, rounds=12, n=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     E, M, K, N = 128, 1536, 768, 2048
     offs = torch.tensor(np.cumsum(group_sizes(E, M, "all-to-one")), dtype=torch.int32, device=dev)
@@ -127,22 +126,6 @@ def main():
         print(f"{name:48s} {us:9.1f}")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
-    if args.profile:
-        for name, fn in (("bf16", step(lambda a, b: dropless.grouped_mm(a, b, offs))),
-                         ("rowwise cached", step(lambda a, b: dropless.grouped_mm(a, b, offs, recipe="rowwise",
-                                                                                   w_quantized=w_q)))):
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(50):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(45)
-            print(f"== {name}, 50 steps, by own time\n" + s.getvalue()[:12000])
 
 
 if __name__ == "__main__":
