@@ -254,18 +254,18 @@ class _Decisions(dict):
     so a repeated call skips the checks that decide them (tens of microseconds of host time a call)."""
 
     def decide(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tma: bool | None, extra: Hashable,
-               decide: Callable[[], tuple]) -> tuple:
-        """``decide()``'s result, kept per signature: the operands' shapes, strides, dtypes, device and
+               make: Callable[[], tuple]) -> tuple:
+        """``make()``'s result, kept per signature: the operands' shapes, strides, dtypes, device and
         16-byte alignment (what TMA needs), ``tma`` and ``extra``. Computed afresh off the GPU."""
         if not a.is_cuda:
-            return decide()
+            return make()
         signature = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), a.dtype, b.dtype, c.dtype, a.device,
                      a.data_ptr() % 16, b.data_ptr() % 16, c.data_ptr() % 16, tma, extra)
         decided = self.get(signature)
         if decided is None:
             if len(self) >= 4096:
                 self.clear()
-            decided = self[signature] = decide()
+            decided = self[signature] = make()
         return decided
 
 
