@@ -1,9 +1,9 @@
-"""Shapes whose K or N is not a multiple of 8 (issue 20: the backward at the forward's rate).
+"""Shapes whose K or N is not a multiple of 16 (issue 20: the backward at the forward's rate).
 
     python benchmarks/probe_odd_shapes.py [--json PATH]
 
-bf16 operands whose rows are not 16-byte aligned cannot be read by TMA, so their products take the
-pointer path. For E = 8 experts, M = 16,384 rows (balanced), each (K, N) below and a near multiple of
+bf16 operands whose rows are not 16-byte aligned (K or N not a multiple of 8: 1001, 2881) cannot be read by
+TMA, so their products take the pointer path; multiples of 8 that are not of 16 (1000, 2888) can. For E = 8 experts, M = 16,384 rows (balanced), each (K, N) below and a near multiple of
 128 for reference: the forward, the input gradient and the weight gradient of ``dropless.grouped_mm``,
 timed as the GEMM benchmark times them (L2 flushed), in TFLOP/s; ``--json`` also keeps the configs the
 tuners chose.
@@ -21,7 +21,7 @@ from dropless.kernels import tuning
 dev = torch.device("cuda")
 E, M = 8, 16384
 SHAPES = [(1024, 1024), (1000, 1024), (1024, 1000), (1000, 1000), (2880, 2880), (2888, 2880), (2880, 2888),
-          (4096, 1000), (1000, 4096)]
+          (4096, 1000), (1000, 4096), (1001, 1024), (1024, 1001), (1001, 1001), (2881, 2880), (2880, 2881)]
 
 
 def main():
