@@ -2,9 +2,10 @@
 
     python benchmarks/probe_odd_shapes.py [--json PATH]
 
-bf16 operands whose rows are not 16-byte aligned (K or N not a multiple of 8: 1001, 2881) cannot be read by
-TMA, so their products take the pointer path; multiples of 8 that are not of 16 (1000, 2888) can. For E = 8 experts, M = 16,384 rows (balanced), each (K, N) below and a near multiple of
-128 for reference: the forward, the input gradient and the weight gradient of ``dropless.grouped_mm``,
+bf16 operands whose rows are not 16-byte aligned (K or N not a multiple of 8: 1001, 2881) cannot be
+read by TMA, so their products take the pointer path; multiples of 8 that are not of 16 (1000, 2888)
+can. For E = 8 experts, M = 16,384 rows (balanced), each (K, N) below and a near multiple of 128 for
+reference: the forward, the input gradient and the weight gradient of ``dropless.grouped_mm``,
 timed as the GEMM benchmark times them (L2 flushed), in TFLOP/s; ``--json`` also keeps the configs the
 tuners chose.
 """
