@@ -166,6 +166,61 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="the Gluon kernels are for sm_90")
 
 
+# Shapes TMA cannot read as laid out (rows not a multiple of 16 bytes): K or N odd.
+ODD_CASES = {
+    "k_odd": (1500, 1001, 256, _sizes(6, 1400, 11)),
+    "n_odd": (1500, 256, 1001, _sizes(6, 1400, 12)),
+    "k3_n17": CASES["unaligned_kn"],
+}
+
+
+@needs_sm90
+@pytest.mark.parametrize("case", list(ODD_CASES))
+def test_odd_shapes_run_on_the_hopper_kernels(case, monkeypatch):
+    """Odd K or N: the forward, the input gradient and the weight gradient go through padded copies into
+    the Gluon kernels (each called), against fp64 into NaN-poisoned outputs; ``tail=False`` leaves the
+    rows past the groups as they were; the weight gradient is added where flagged into an fp32
+    nn.Linear-layout main_grad."""
+    from dropless.kernels import ragged_k_hopper, ragged_m_hopper
+
+    calls = []
+    for module, name in ((ragged_m_hopper, "ragged_m_mm_hopper"), (ragged_k_hopper, "ragged_k_mm_hopper")):
+        def spy(*args, _fn=getattr(module, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    M, K, N, sizes = ODD_CASES[case]
+    E, routed = len(sizes), sum(sizes)
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    dy = torch.randn(M, N, dtype=torch.bfloat16, device=DEVICE)
+    offsets = offsets_of(sizes, DEVICE)
+    for w_layout in ("nk", "kn"):
+        w = make_w(E, K, N, torch.bfloat16, DEVICE, w_layout)
+        y = poisoned((M, N), torch.bfloat16, DEVICE)
+        run_ragged_m(x, w, offsets, y)
+        ref = reference.grouped_mm(x.double(), w.double(), offsets)
+        assert_rows_close(y, ref, sizes, torch.bfloat16, f"y ({w_layout})")
+        y = poisoned((M, N), torch.bfloat16, DEVICE)
+        run_ragged_m(x, w, offsets, y, tail=False)
+        assert_close(y[:routed], ref[:routed], torch.bfloat16, f"y, tail=False ({w_layout})")
+        assert bool(y[routed:].isnan().all()), "tail=False wrote rows past the groups"
+        dx = poisoned((M, K), torch.bfloat16, DEVICE)
+        run_ragged_m(dy, w.transpose(1, 2), offsets, dx)
+        assert_rows_close(dx, reference.grouped_mm(dy.double(), w.double().transpose(1, 2), offsets), sizes,
+                          torch.bfloat16, f"dx ({w_layout})")
+    ref = reference.grouped_mm_wgrad(x.double(), dy.double(), offsets)
+    flags = torch.tensor([e % 2 == 0 for e in range(E)], device=DEVICE)
+    main_grad = torch.randn(E, N, K, device=DEVICE).transpose(1, 2)
+    init = main_grad.clone()
+    run_ragged_k(x, dy, offsets, main_grad, ACCUMULATE_FLAGGED, flags)
+    assert_experts_close(main_grad, torch.where(flags.view(-1, 1, 1), init.double() + ref, ref), torch.bfloat16,
+                         "main_grad")
+    dw = poisoned((E, K, N), torch.bfloat16, DEVICE)
+    run_ragged_k(x, dy, offsets, dw, NO_ACCUMULATE, None)
+    assert_experts_close(dw, ref, torch.bfloat16, "dw")
+    assert {"ragged_m_mm_hopper", "ragged_k_mm_hopper"} <= set(calls)
+
+
 def _rows_past_end_poisoned(M, K, N, sizes, dtype):
     x = torch.randn(M, K, dtype=dtype, device=DEVICE)
     dy = torch.randn(M, N, dtype=dtype, device=DEVICE)

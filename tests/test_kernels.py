@@ -449,3 +449,31 @@ def test_host_integer_helpers_match_triton():
         assert launch.next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
         for d in (1, 3, 16, 64, 128, 256):
             assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_padded_copies_are_tma_readable_and_equal(dtype):
+    """``readable``: t itself where TMA can read it, else an equal copy whose strides are 16-byte multiples
+    (odd rows, a column-major view, an nn.Linear-layout weight viewed as [E, K, N]);
+    ``run_into_readable`` writes the output back, keeping its values where asked."""
+    from dropless.kernels.launch import LaunchInfo
+    from dropless.kernels.padded import padded_like, readable, run_into_readable
+
+    aligned = torch.randn(6, 64).to(dtype)
+    assert readable(aligned) is aligned
+    for t in (torch.randn(7, 1001).to(dtype), torch.randn(9, 13).to(dtype).t(),
+              torch.randn(3, 17, 1001).to(dtype).transpose(1, 2).transpose(1, 2)):
+        copy = readable(t)
+        assert copy is not t and LaunchInfo.tma_ok(copy) and torch.equal(copy, t)
+    weight = torch.randn(3, 5, 11).to(dtype)
+    copy = readable(weight.transpose(1, 2)).transpose(1, 2)
+    assert torch.equal(copy, weight)
+    padded = padded_like(weight)
+    assert padded.shape == weight.shape and LaunchInfo.tma_ok(padded) and not LaunchInfo.tma_ok(weight)
+
+    out = torch.randn(5, 11).to(dtype)
+    kept = out.clone()
+    run_into_readable(out, True, lambda c: c[:2].fill_(7))
+    assert bool((out[:2] == 7).all()) and torch.equal(out[2:], kept[2:])
+    run_into_readable(out, False, lambda c: c.fill_(3))
+    assert bool((out == 3).all())

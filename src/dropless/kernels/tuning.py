@@ -9,6 +9,7 @@ import torch
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
+from dropless.kernels.padded import pads_into_hopper_kernels, readable, run_into_readable
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
 from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
 from dropless.kernels.ragged_m import ragged_m_mm
@@ -277,15 +278,23 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                  tma: bool | None = None, config: GemmConfig | None = None, tail: bool = True) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
     with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds); ``tail=False`` leaves c's rows
-    past ``offsets[-1]`` as they are instead of zeroing them."""
+    past ``offsets[-1]`` as they are instead of zeroing them. Operands or an output that TMA cannot
+    read (rows not a multiple of 16 bytes) go through padded copies on Hopper (``kernels/padded.py``)."""
     def decide() -> tuple:
         info = launch_info(a.device, tma)
-        hopper = info.tma and hopper_kernels_ok(a, b.transpose(1, 2) if weight_nk(b) else b, c)
+        b_stored = b.transpose(1, 2) if weight_nk(b) else b
+        hopper = info.tma and hopper_kernels_ok(a, b_stored, c)
+        padded = info.tma and not hopper and c.dtype == a.dtype and pads_into_hopper_kernels(a, b_stored, out=c)
         key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2],
                             b.shape[0], M=a.shape[0])
-        return info, _RAGGED_M_HOPPER if hopper else _RAGGED_M, key
+        return info, _RAGGED_M_HOPPER if hopper else _RAGGED_M, key, padded
 
-    info, tuner, key = _RAGGED_M_CLASSES.decide(a, b, c, tma, (), decide)
+    info, tuner, key, padded = _RAGGED_M_CLASSES.decide(a, b, c, tma, (), decide)
+    if padded:
+        b_read = readable(b.transpose(1, 2)).transpose(1, 2) if weight_nk(b) else readable(b)
+        a_read = readable(a)
+        run_into_readable(c, not tail, lambda out: run_ragged_m(a_read, b_read, offsets, out, tma, config, tail))
+        return
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
@@ -307,18 +316,25 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                  accumulate: int, flags: torch.Tensor | None, tma: bool | None = None,
                  config: GemmConfig | None = None) -> None:
     """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config of its
-    class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds)."""
+    class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds). Operands or an
+    output that TMA cannot read go through padded copies on Hopper (``kernels/padded.py``)."""
     a, b, c = oriented(a, b, c)
     def decide() -> tuple:
         info = launch_info(a.device, tma)
-        if info.tma and hopper_wgrad_ok(a, b, c):
+        hopper = info.tma and hopper_wgrad_ok(a, b, c)
+        if hopper:
             tuner = _RAGGED_K_HOPPER if c.dtype == a.dtype and not accumulate else _RAGGED_K_HOPPER_ACCUMULATE
         else:
             tuner = _RAGGED_K
         key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
-        return info, tuner, key
+        return info, tuner, key, info.tma and not hopper and pads_into_hopper_kernels(a, b, out=c)
 
-    info, tuner, key = _RAGGED_K_CLASSES.decide(a, b, c, tma, accumulate != 0, decide)
+    info, tuner, key, padded = _RAGGED_K_CLASSES.decide(a, b, c, tma, accumulate != 0, decide)
+    if padded:
+        a_read, b_read = readable(a), readable(b)
+        run_into_readable(c, accumulate != 0, lambda out: run_ragged_k(a_read, b_read, offsets, out, accumulate,
+                                                                       flags, tma, config))
+        return
 
     def run(config: GemmConfig, out: torch.Tensor = c) -> None:
         if config.gluon:
