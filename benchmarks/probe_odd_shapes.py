@@ -1,6 +1,6 @@
 """Shapes whose K or N is not a multiple of 16 (issue 20: the backward at the forward's rate).
 
-    python benchmarks/probe_odd_shapes.py [--json PATH]
+    python benchmarks/probe_odd_shapes.py [--json PATH] [--shapes K,N ...]
 
 bf16 operands whose rows are not 16-byte aligned (K or N not a multiple of 8: 1001, 2881) cannot be
 read by TMA, so their products take the pointer path; multiples of 8 that are not of 16 (1000, 2888)
@@ -28,10 +28,12 @@ SHAPES = [(1024, 1024), (1000, 1024), (1024, 1000), (1000, 1000), (2880, 2880), 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--shapes", nargs="*", help="K,N pairs (default: the list above)")
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     offs = torch.tensor(np.cumsum(group_sizes(E, M, "balanced")), dtype=torch.int32, device=dev)
     rows = []
-    for K, N in SHAPES:
+    for K, N in shapes:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) * K ** -0.5
         dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
