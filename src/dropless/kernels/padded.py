@@ -3,8 +3,9 @@
 A 16-bit operand whose rows are not a multiple of 16 bytes long (K or N odd, say 1001 or 2881) has a row
 stride TMA cannot take, so its product would run on the pointer path at a quarter of the TMA kernels'
 rate or less. A copy whose contiguous dimension is padded to 16 bytes (same logical shape, the pad never
-read: TMA fills past the shape with zeros) costs one pass over the operand, and the output comes back
-from such a buffer in one more pass.
+read: TMA fills past the shape with zeros) costs one pass over the operand; an output TMA cannot write
+then comes back from such a buffer in one more pass. An output alone is not worth it (see
+``pads_into_hopper_kernels``).
 """
 
 from __future__ import annotations

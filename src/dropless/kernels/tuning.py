@@ -278,8 +278,9 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                  tma: bool | None = None, config: GemmConfig | None = None, tail: bool = True) -> None:
     """``c = ragged-M product of a [M, K] and b [E, K, N]`` with the tuned config of its class, or
     with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds); ``tail=False`` leaves c's rows
-    past ``offsets[-1]`` as they are instead of zeroing them. Operands or an output that TMA cannot
-    read (rows not a multiple of 16 bytes) go through padded copies on Hopper (``kernels/padded.py``)."""
+    past ``offsets[-1]`` as they are instead of zeroing them. On Hopper, an operand that TMA cannot read
+    (rows not a multiple of 16 bytes) goes through a padded copy, and then so does an output that TMA
+    cannot write (``kernels/padded.py``)."""
     def decide() -> tuple:
         info = launch_info(a.device, tma)
         b_stored = b.transpose(1, 2) if weight_nk(b) else b
@@ -316,8 +317,9 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                  accumulate: int, flags: torch.Tensor | None, tma: bool | None = None,
                  config: GemmConfig | None = None) -> None:
     """``c[e] (+)= a_e^T @ b_e`` for a [M, K], b [M, N], c [E, K, N], with the tuned config of its
-    class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds). Operands or an
-    output that TMA cannot read go through padded copies on Hopper (``kernels/padded.py``)."""
+    class, or with ``config`` (a Gluon one only where ``hopper_kernels_ok`` holds). On Hopper, an
+    operand that TMA cannot read goes through a padded copy, and then so does an output that TMA cannot
+    write (``kernels/padded.py``)."""
     a, b, c = oriented(a, b, c)
     def decide() -> tuple:
         info = launch_info(a.device, tma)
