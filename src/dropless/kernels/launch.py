@@ -126,20 +126,21 @@ def hopper_gluon_device(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_at_least(3, 6) and _capability(device) == 9
 
 
-def hopper_kernels_ok(*tensors: torch.Tensor) -> bool:
+def hopper_kernels_ok(*tensors: torch.Tensor, padded: bool = False) -> bool:
     """Whether the Gluon kernels for Hopper can take these operands: ``hopper_gluon_device``, all of one
-    16-bit dtype, none empty, each readable by TMA as laid out."""
+    16-bit dtype, none empty, each readable by TMA as laid out (``padded``: once those TMA cannot read are
+    copied into padded buffers, ``kernels/padded.py``)."""
     first = tensors[0]
     if first.dtype not in (torch.bfloat16, torch.float16) or not hopper_gluon_device(first.device):
         return False
-    return all(t.dtype == first.dtype and t.numel() > 0 and LaunchInfo.tma_ok(t) for t in tensors)
+    return all(t.dtype == first.dtype and t.numel() > 0 and (padded or LaunchInfo.tma_ok(t)) for t in tensors)
 
 
-def hopper_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+def hopper_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, padded: bool = False) -> bool:
     """Whether the Hopper weight-gradient kernel can take ``a``, ``b`` and the output ``c``: a and b as
-    ``hopper_kernels_ok`` asks, c of their dtype or fp32, non-empty and TMA-able."""
-    return (hopper_kernels_ok(a, b) and c.dtype in (a.dtype, torch.float32) and c.numel() > 0
-            and LaunchInfo.tma_ok(c))
+    ``hopper_kernels_ok`` asks, c of their dtype or fp32, non-empty and TMA-able (or padded)."""
+    return (hopper_kernels_ok(a, b, padded=padded) and c.dtype in (a.dtype, torch.float32) and c.numel() > 0
+            and (padded or LaunchInfo.tma_ok(c)))
 
 
 def hopper_fp8_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
@@ -153,29 +154,20 @@ def hopper_fp8_wgrad_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bo
 
 
 @functools.cache
-def _cuda_info(index: int, no_tma: bool) -> LaunchInfo:
-    """``launch_info`` of CUDA device ``index``, kept: it is asked on every launch."""
-    info = _device_info(torch.device("cuda", index))
-    return LaunchInfo(info.num_programs, False, info.upcast) if no_tma and info.tma else info
-
-
-@functools.cache
-def _device_info(device: torch.device) -> LaunchInfo:
+def _launch_info(device: torch.device, no_tma: bool) -> LaunchInfo:
+    """``launch_info`` of ``device``, kept: it is asked on every launch."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return LaunchInfo(num_programs=props.multi_processor_count, tma=props.major >= 9, upcast=False)
-    return LaunchInfo(num_programs=4, tma=True, upcast=True)
+        return LaunchInfo(num_programs=props.multi_processor_count, tma=props.major >= 9 and not no_tma, upcast=False)
+    return LaunchInfo(num_programs=4, tma=not no_tma, upcast=True)
 
 
 def launch_info(device: torch.device, tma: bool | None = None) -> LaunchInfo:
     """Launch facts for ``device``; ``tma=False`` forces the pointer path (``True`` is a request)."""
-    if device.type == "cuda":
-        return _cuda_info(device.index or 0, tma is False)
-    if not interpreting():
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError(
             f"Triton kernels need a CUDA tensor (got device {device}); set TRITON_INTERPRET=1 to run "
             "them on the CPU, or use the reference backend")
-    info = _device_info(device)
-    if tma is False and info.tma:
-        return LaunchInfo(info.num_programs, False, info.upcast)
-    return info
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return _launch_info(device, tma is False)

@@ -4,15 +4,16 @@ A 16-bit operand whose rows are not a multiple of 16 bytes long (K or N odd, say
 stride TMA cannot take, so its product would run on the pointer path at a quarter of the TMA kernels'
 rate or less. A copy whose contiguous dimension is padded to 16 bytes (same logical shape, the pad never
 read: TMA fills past the shape with zeros) costs one pass over the operand; an output TMA cannot write
-then comes back from such a buffer in one more pass. An output alone is not worth it (see
-``pads_into_hopper_kernels``).
+then comes back from such a buffer in one more pass. An output alone is not padded: the Triton kernels'
+TMA loads and pointer stores beat a padded output and its copy back (probe_odd_shapes: the input gradient
+at K = 2881, 546 against 442 TFLOP/s).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dropless.kernels.launch import LaunchInfo, hopper_gluon_device
+from dropless.kernels.launch import LaunchInfo
 
 _ALIGN = 16  # bytes
 
@@ -28,20 +29,6 @@ def padded_like(t: torch.Tensor) -> torch.Tensor:
 def readable(t: torch.Tensor) -> torch.Tensor:
     """t itself where TMA can read it as laid out, else a padded copy (``padded_like``)."""
     return t if LaunchInfo.tma_ok(t) else padded_like(t).copy_(t)
-
-
-def pads_into_hopper_kernels(*operands: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether padded copies would let the Hopper kernels take a product they cannot take as laid out:
-    on ``hopper_gluon_device``, operands of one 16-bit dtype, the output of theirs or fp32, none empty,
-    and some operand that TMA cannot read. An output alone that TMA cannot write is not padded: the
-    Triton kernels' TMA loads and pointer stores beat a padded output and its copy back (probe_odd_shapes:
-    the input gradient at K = 2881 546 against 442 TFLOP/s)."""
-    first = operands[0]
-    if first.dtype not in (torch.bfloat16, torch.float16) or not hopper_gluon_device(first.device):
-        return False
-    if out.dtype not in (first.dtype, torch.float32) or any(t.dtype != first.dtype for t in operands):
-        return False
-    return all(t.numel() > 0 for t in (*operands, out)) and not all(LaunchInfo.tma_ok(t) for t in operands)
 
 
 def run_into_readable(c: torch.Tensor, keep: bool, product) -> None:

@@ -8,8 +8,9 @@ import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok, launch_info, weight_nk
-from dropless.kernels.padded import pads_into_hopper_kernels, readable, run_into_readable
+from dropless.kernels.launch import (LaunchInfo, hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok, launch_info,
+                                     weight_nk)
+from dropless.kernels.padded import readable, run_into_readable
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
 from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
 from dropless.kernels.ragged_m import ragged_m_mm
@@ -285,7 +286,9 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
         info = launch_info(a.device, tma)
         b_stored = b.transpose(1, 2) if weight_nk(b) else b
         hopper = info.tma and hopper_kernels_ok(a, b_stored, c)
-        padded = info.tma and not hopper and c.dtype == a.dtype and pads_into_hopper_kernels(a, b_stored, out=c)
+        # Padded copies where an operand is what keeps the Hopper kernels out (kernels/padded.py).
+        padded = (info.tma and not hopper and hopper_kernels_ok(a, b_stored, c, padded=True)
+                  and not (LaunchInfo.tma_ok(a) and LaunchInfo.tma_ok(b_stored)))
         key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2],
                             b.shape[0], M=a.shape[0])
         return info, _RAGGED_M_HOPPER if hopper else _RAGGED_M, key, padded
@@ -329,7 +332,9 @@ def run_ragged_k(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
         else:
             tuner = _RAGGED_K
         key = problem_class(a.device, a.dtype, c.dtype, info.tma, a.shape[1], b.shape[1], c.shape[0], M=a.shape[0])
-        return info, tuner, key, info.tma and not hopper and pads_into_hopper_kernels(a, b, out=c)
+        padded = (info.tma and not hopper and hopper_wgrad_ok(a, b, c, padded=True)
+                  and not (LaunchInfo.tma_ok(a) and LaunchInfo.tma_ok(b)))
+        return info, tuner, key, padded
 
     info, tuner, key, padded = _RAGGED_K_CLASSES.decide(a, b, c, tma, accumulate != 0, decide)
     if padded:

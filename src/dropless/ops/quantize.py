@@ -14,7 +14,6 @@ differentiable (the FP8 GEMMs carry the gradients).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import replace
 
 import torch
