@@ -647,6 +647,41 @@ def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gat
     assert untouched(data[written:]) and untouched(scale[scale_rows:])
 
 
+@pytest.mark.gpu
+def test_hopper_rowwise_strips_drawn_in_a_cuda_graph():
+    """Rowwise per group on the Gluon kernel (strips drawn from a counter the call zeroes) runs with host
+    syncs forbidden, and a CUDA graph of it replays right, bit for bit, with new group sizes: one group
+    with every row, the tail alone, balanced."""
+    from dropless.kernels.launch import hopper_gluon_device
+
+    if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
+        pytest.skip("needs an sm_90 GPU")
+    x = torch.randn(4096, 320, device="cuda", dtype=torch.bfloat16)
+    offsets = offsets_of([3000, 0, 1000, 50], "cuda")
+    dropless.quantize(x, "rowwise", 0, offsets)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dropless.quantize(x, "rowwise", 0, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dropless.quantize(x, "rowwise", 0, offsets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = dropless.quantize(x, "rowwise", 0, offsets)
+    for sizes in ([4000, 0, 0, 96], [0, 0, 0, 0], [1024] * 4):
+        offsets.copy_(offsets_of(sizes, "cuda"))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref_data, ref_scale = reference.quantize(x.cpu(), get_recipe("rowwise"), 0, offsets.cpu())
+        assert_same_bits(q.data, ref_data)
+        assert torch.equal(q.scale.cpu(), ref_scale), sizes
+
+
 WEIGHT_HOPPER_RECIPES = [("mxfp8", {}), ("mxfp8", {"mx_rounding": "rceil"}), ("block128x128", {}),
                          ("block128x128", {"pow2": True})]
 WEIGHT_HOPPER_IDS = ["mxfp8", "mxfp8-rceil", "block128x128", "block128x128-pow2"]

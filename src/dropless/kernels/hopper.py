@@ -110,3 +110,23 @@ def release(empty, step, STAGES: gl.constexpr):
     """Mark the stage of ``step`` consumed, once every warp of the partition is past its MMA."""
     gl.thread_barrier()
     mbarrier.arrive(empty.index(step % STAGES), count=1)
+
+
+@gluon.jit
+def post_item(ids, ready, empty, n, item, QUEUE: gl.constexpr, WARPS: gl.constexpr = 1):
+    """Put work item number ``item`` in slot ``n % QUEUE`` of a queue of drawn items (``ids [QUEUE, 1]``
+    int32 in shared memory, ``ready`` / ``empty`` barriers a slot), once its readers freed it."""
+    slot = n % QUEUE
+    mbarrier.wait(empty.index(slot), ((n // QUEUE) & 1) ^ 1)
+    ids.index(slot).store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [WARPS], [0])))
+    release(ready, n, QUEUE)
+
+
+@gluon.jit
+def take_item(ids, ready, empty, n, QUEUE: gl.constexpr, WARPS: gl.constexpr):
+    """The work item number in slot ``n % QUEUE`` of a queue that ``post_item`` fills (-1: no more)."""
+    slot = n % QUEUE
+    mbarrier.wait(ready.index(slot), (n // QUEUE) & 1)
+    item = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+    release(empty, n, QUEUE)
+    return item

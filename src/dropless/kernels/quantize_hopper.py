@@ -22,7 +22,13 @@ nothing at all when BOUNDED. How a tile moves:
   rows leave from a buffer of zeros.
 Rowwise (one scale per group and column) hands out strips instead, a group's rows of 64 columns: a
 program reads a strip's tiles twice, for their column amaxes and then for their values, the second time
-mostly from L2 where the strips running together fit in it, in one launch with no amax buffer.
+mostly from L2 where the strips running together fit in it, in one launch with no amax buffer. A strip's
+work is its group's row count, so with skewed routing one group's strips can be several times the
+rest. Where the loads are TMA's, a scheduler warp draws strips one at a time from a counter that all
+programs share, large groups' first, and queues each for the loader and the compute warps
+(``ragged_k_hopper``'s by-work schedule): a program that drew a long strip draws no more until it is
+done, and the short strips fill the gaps at the end. Rows read by index keep every ``num_programs``-th
+strip in group order: their two programs a multiprocessor leave no registers for a scheduler warp.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from dropless.kernels import fp8_math
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.hopper import descriptor, group_bounds, group_layout, pick, release, stage_barriers
+from dropless.kernels.hopper import (
+    descriptor,
+    group_bounds,
+    group_layout,
+    pick,
+    post_item,
+    release,
+    stage_barriers,
+    take_item,
+)
 from dropless.kernels.launch import LaunchInfo, cdiv, hopper_kernels_ok, launch_info, next_power_of_2
 from dropless.quantized import GROUP_ALIGN, Recipe
 
@@ -42,6 +57,10 @@ ROWS: gl.constexpr = gl.constexpr(GROUP_ALIGN)  # token rows a tile: one run of 
 COLUMNS: gl.constexpr = gl.constexpr(64)  # columns a tile: 128 bytes of a 16-bit x
 STAGES = 4
 PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
+# Rowwise strips read by TMA run one program a multiprocessor, whose stage ring can be deeper: 8 stages
+# (152 KB in all) keep twice the bytes in flight, which the long strips of skewed routing need once the
+# other programs are done (benchmarks/NOTES.md, v36).
+STRIP_STAGES = 8
 # A register target of 128 a thread for the Gluon quantizers (up to 256 threads), so that two programs
 # share a multiprocessor (warp_specialize's default target is the whole register file, 255 a thread: one
 # program): blockwise recipes 1.04-1.13x where two runs agree; gathered rows, whose loads then have twice
@@ -50,6 +69,7 @@ PROGRAMS_PER_SM = 2  # 4 stages of 16 KB and 24 KB of output buffers a program
 # flight fit in it (benchmarks/NOTES.md, v30).
 MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
+QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn strips the scheduler may queue ahead
 
 
 
@@ -111,22 +131,105 @@ def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr
 
 
 @gluon.jit
-def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E,
-                  GATHER: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
-    """Rowwise: TMA loads of each of the program's strips (a group's rows, 64 columns) twice, for its amax
-    and then for its values."""
+def _strip_work(C, E, BOUNDED: gl.constexpr):
+    """Rowwise: the strips of all groups, then (unless BOUNDED) the tail's, which write its zeros."""
+    work = (E + 1) * gl.cdiv(C, COLUMNS)
+    if BOUNDED:
+        work -= gl.cdiv(C, COLUMNS)
+    return work
+
+
+@gluon.jit
+def _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK: gl.constexpr, WARPS: gl.constexpr):
+    """The ``n``-th strip of this program: the scheduler's ``n``-th draw (BY_WORK), or every
+    ``num_programs``-th strip in group order; -1 past the last."""
+    if BY_WORK:
+        strip = take_item(strip_ids, strip_ready, strip_empty, n, QUEUE, WARPS)
+    else:
+        strip = gl.program_id(0) + n * gl.num_programs(0)
+        strip = gl.where(strip < work, strip, -1)
+    return strip
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _places(member):
+    """A bool vector's exclusive prefix count (each member's place among the members) and its count."""
+    m = member.to(gl.int32)
+    return gl.associative_scan(m, 0, _add) - m, gl.sum(m, axis=0)
+
+
+@gluon.jit
+def _draw_order(offsets_ptr, E, M, E_POW2: gl.constexpr):
+    """Each group's place in the order its strips are drawn, an ``[E_POW2]`` vector over one warp (-1 from
+    entry E on): groups of more than 8 times the mean size first, then those of more than twice it, then
+    the rest, each class in group order. Largest first to within a size class, from three prefix counts:
+    an exact ranking, a loop over the groups, cost ~15 us at E = 128 before the first draw."""
+    e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, 1, False))
+    starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, 1)
+    routed = e < E
+    sizes = gl.where(routed, ends - starts, 0)
+    mean = gl.sum(sizes, axis=0) // E
+    huge = routed & (sizes > 8 * mean)
+    large = routed & (sizes > 2 * mean) & (sizes <= 8 * mean)
+    place_huge, huge_count = _places(huge)
+    place_large, large_count = _places(large)
+    place_rest, _ = _places(routed & (sizes <= 2 * mean))
+    order = gl.where(huge, place_huge, gl.where(large, huge_count + place_large, huge_count + large_count + place_rest))
+    return gl.where(routed, order, -1)
+
+
+@gluon.jit
+def _strip_scheduler(strip_ids, strip_ready, strip_empty, counter_ptr, offsets_ptr, M, C, E, BOUNDED: gl.constexpr,
+                     E_POW2: gl.constexpr):
+    """Rowwise, one warp: draws strips one at a time from a counter that all programs share, the groups'
+    strips in ``_draw_order`` (the tail's, which read nothing, last), and queues their numbers for the
+    loader and the compute partition, ending with -1. It runs up to QUEUE strips ahead, so the counter's
+    latency is off the loader's path."""
+    order = _draw_order(offsets_ptr, E, M, E_POW2)
+    e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, 1, False))
+    col_tiles = gl.cdiv(C, COLUMNS)
+    routed = E * col_tiles
+    work = _strip_work(C, E, BOUNDED)
+    n = 0
+    drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    while drawn < work:
+        group = gl.where(drawn < routed, gl.sum(gl.where(order == drawn // col_tiles, e, 0), axis=0), E)
+        post_item(strip_ids, strip_ready, strip_empty, n, group * col_tiles + drawn % col_tiles, QUEUE)
+        n += 1
+        drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+    post_item(strip_ids, strip_ready, strip_empty, n, -1, QUEUE)
+
+
+@gluon.jit
+def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready, strip_empty,
+                  offsets_ptr, M, C, E, GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
+                  E_POW2: gl.constexpr, STAGES: gl.constexpr):
+    """Rowwise: loads of the tiles of each of the program's strips (``_strip_of``), twice, for its amax and
+    then for its values (the tail's strips load nothing)."""
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
+    work = _strip_work(C, E, BOUNDED)
     step = 0
-    for strip in range(gl.program_id(0), E * col_tiles, gl.num_programs(0)):
+    n = 0
+    strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
+    while strip >= 0:
         group = strip // col_tiles
-        col0 = (strip - group * col_tiles) * COLUMNS
-        start = pick(starts, group)
-        end = pick(ends, group)
-        for _ in range(2):
-            for row0 in range(start, end, ROWS):
-                _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER, STAGES)
-                step += 1
+        if group < E:
+            col0 = (strip - group * col_tiles) * COLUMNS
+            start = pick(starts, group)
+            end = pick(ends, group)
+            for _ in range(2):
+                for row0 in range(start, end, ROWS):
+                    _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER,
+                          STAGES)
+                    step += 1
+        n += 1
+        strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
 
 
 @gluon.jit
@@ -273,23 +376,23 @@ def _send(q, out_bufs, written, data_desc, col0, data_row):
 
 
 @gluon.jit
-def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS,
-                   POW2: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """Rowwise, the default partition: a strip's column amaxes over its tiles, its scales (one per group
-    and column), then its tiles again, quantized, and the zeros of its slots past the group's rows; the
-    tail's strips write zeros (nothing with BOUNDED)."""
+def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty, data_desc, scale_ptr,
+                   offsets_ptr, M, C, E, SLOTS, POW2: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
+                   E_POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Rowwise, the default partition: for each of the program's strips (``_strip_of``), its column amaxes
+    over its tiles, its scales (one per group and column), then its tiles again, quantized, and the zeros
+    of its slots past the group's rows; the tail's strips write zeros (there are none with BOUNDED)."""
     layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
     cols = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
     col_tiles = gl.cdiv(C, COLUMNS)
     _fill_zeros(zero_buf, layout)
-    strips = E * col_tiles
-    if not BOUNDED:
-        strips += col_tiles
+    work = _strip_work(C, E, BOUNDED)
     step = 0
     written = 0
-    for strip in range(gl.program_id(0), strips, gl.num_programs(0)):
+    n = 0
+    strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
+    while strip >= 0:
         group = strip // col_tiles
         col0 = (strip - group * col_tiles) * COLUMNS
         start = pick(starts, group)
@@ -313,14 +416,16 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_pt
                 written += 1
             else:
                 tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
+        n += 1
+        strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_ptr, offsets_ptr,
+def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_ptr, counter_ptr, offsets_ptr,
                             M, C, E, SLOTS, SCALE_ROWS,
                             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
-                            GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr,
+                            GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr,
                             STAGES: gl.constexpr, num_warps: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, COLUMNS], x_desc.layout)
     out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
@@ -330,12 +435,28 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
     else:
         ready, empty = stage_barriers(STAGES)
     if BLOCK == 0:
-        gl.warp_specialize([
-            (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr,
-                              M, C, E, SLOTS, POW2, BOUNDED, E_POW2, STAGES, num_warps)),
-            (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E,
-                             GATHER, E_POW2, STAGES)),
-        ], [LOADER_WARPS], [64])
+        # The queue of drawn strips (BY_WORK): a slot is free again once the loader and the compute
+        # partition have both read it.
+        strip_ids = gl.allocate_shared_memory(gl.int32, [QUEUE, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        strip_ready, strip_empty = stage_barriers(QUEUE, readers=2)
+        if BY_WORK:
+            gl.warp_specialize([
+                (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
+                                  data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, POW2, BOUNDED, True, E_POW2,
+                                  STAGES, num_warps)),
+                (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
+                                 strip_empty, offsets_ptr, M, C, E, GATHER, BOUNDED, True, E_POW2, STAGES)),
+                (_strip_scheduler, (strip_ids, strip_ready, strip_empty, counter_ptr, offsets_ptr, M, C, E, BOUNDED,
+                                    E_POW2)),
+            ], [LOADER_WARPS, 1], [64, 48])
+        else:
+            gl.warp_specialize([
+                (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
+                                  data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, POW2, BOUNDED, False, E_POW2,
+                                  STAGES, num_warps)),
+                (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
+                                 strip_empty, offsets_ptr, M, C, E, GATHER, BOUNDED, False, E_POW2, STAGES)),
+            ], [LOADER_WARPS], [64])
     else:
         gl.warp_specialize([
             (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E,
@@ -372,12 +493,18 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
     M = x.shape[0] if rows is None else rows.shape[0]
     E = offsets.shape[0]
     slots = cdiv(M, GROUP_ALIGN) + E
+    limited = recipe.block is not None or rows is not None
+    programs = (PROGRAMS_PER_SM if limited else 1) * launch_info(x.device).num_programs
     # Rowwise hands out strips (a group's rows, 64 columns; the tail's too), the blockwise recipes tiles.
     work = (E + 1 if recipe.block is None else slots) * cdiv(C, COLUMNS.value)
-    grid = (max(1, min(work, PROGRAMS_PER_SM * launch_info(x.device).num_programs)),)
-    _LAUNCH(grid, x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]), x_ptr=x, rows_ptr=x if rows is None else rows,
-            stride_x=x.stride(0), data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale,
+    # Strips read by TMA are drawn from a counter; rows read by index keep the static order, whose two
+    # programs a multiprocessor a scheduler warp would cost (a third warpgroup's registers).
+    by_work = recipe.block is None and rows is None
+    counter = torch.zeros(1, dtype=torch.int32, device=x.device) if by_work else offsets
+    _LAUNCH((max(1, min(work, programs)),), x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]), x_ptr=x,
+            rows_ptr=x if rows is None else rows, stride_x=x.stride(0),
+            data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, counter_ptr=counter,
             offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0,
             MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
-            GATHER=rows is not None, BOUNDED=bounded, E_POW2=next_power_of_2(E + 1), STAGES=STAGES, num_warps=4,
-            maxnreg=MAX_REGISTERS if recipe.block is not None or rows is not None else None)
+            GATHER=rows is not None, BOUNDED=bounded, BY_WORK=by_work, E_POW2=next_power_of_2(E + 1),
+            STAGES=STRIP_STAGES if by_work else STAGES, num_warps=4, maxnreg=MAX_REGISTERS if limited else None)

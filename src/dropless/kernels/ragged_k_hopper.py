@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, next_power_of_2
-from dropless.kernels.hopper import descriptor, group_bounds, raster, release, stage_barriers
+from dropless.kernels.hopper import descriptor, group_bounds, post_item, raster, release, stage_barriers, take_item
 from dropless.quantized import GROUP_ALIGN
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
@@ -124,29 +124,10 @@ def _scheduler(tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E,
         drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
         while drawn < total_tiles:
             group = gl.sum(gl.where(rank == drawn // tiles_per_group, e, 0), axis=0)
-            _post_tile(tile_ids, tile_ready, tile_empty, n, group * tiles_per_group + drawn % tiles_per_group, QUEUE)
+            post_item(tile_ids, tile_ready, tile_empty, n, group * tiles_per_group + drawn % tiles_per_group, QUEUE)
             n += 1
             drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
-        _post_tile(tile_ids, tile_ready, tile_empty, n, -1, QUEUE)
-
-
-@gluon.jit
-def _post_tile(tile_ids, tile_ready, tile_empty, n, tile_id, QUEUE: gl.constexpr):
-    """Put tile number ``tile_id`` in slot ``n % QUEUE`` of the queue, once both readers freed it."""
-    slot = n % QUEUE
-    mbarrier.wait(tile_empty.index(slot), ((n // QUEUE) & 1) ^ 1)
-    tile_ids.index(slot).store(gl.full([1], tile_id, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
-    release(tile_ready, n, QUEUE)
-
-
-@gluon.jit
-def _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE: gl.constexpr, WARPS: gl.constexpr):
-    """The tile number in slot ``n % QUEUE`` of the queue (-1: no more)."""
-    slot = n % QUEUE
-    mbarrier.wait(tile_ready.index(slot), (n // QUEUE) & 1)
-    tile_id = gl.max(tile_ids.index(slot).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
-    release(tile_empty, n, QUEUE)
-    return tile_id
+        post_item(tile_ids, tile_ready, tile_empty, n, -1, QUEUE)
 
 
 @gluon.jit
@@ -197,13 +178,13 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_ids, tile_ready, 
     step = 0
     if BY_WORK:
         n = 0
-        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
+        tile_id = take_item(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
         while tile_id >= 0:
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
                               tiles_k, tiles_n, sa_ptr, sb_ptr, stride_sa, stride_sb, sa_bufs, sb_bufs, K, N,
                               BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, TOKENS_MAJOR, STEP_SCALES)
             n += 1
-            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
+            tile_id = take_item(tile_ids, tile_ready, tile_empty, n, QUEUE, 1)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _load_tile(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offsets_ptr, M, tile_id, step,
@@ -313,14 +294,14 @@ def _compute(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, str
     step = 0
     if BY_WORK:
         n = 0
-        tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
+        tile_id = take_item(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
         while tile_id >= 0:
             step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb,
                                  a_bufs, b_bufs, c_smem, ready, empty, offsets_ptr, M, N, K, tile_id, step, tiles_k,
                                  tiles_n, BLOCK_M, BLOCK_K, BLOCK_N, GROUP_M, STAGES, ACCUMULATE, TOKENS_MAJOR, SCALED,
                                  INSTR_K, num_warps)
             n += 1
-            tile_id = _take_tile(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
+            tile_id = take_item(tile_ids, tile_ready, tile_empty, n, QUEUE, num_warps)
     else:
         for tile_id in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             step = _compute_tile(c_desc, c_ptr, flags_ptr, stride_ce, stride_ck, sa_ptr, sb_ptr, stride_sa, stride_sb,
