@@ -2,7 +2,7 @@
 on the benchmark's activations, balanced and skewed, one GPU: for timing two trees against each other in
 one call (each run with its own ``PYTHONPATH``, alternated).
 
-    PYTHONPATH=src python benchmarks/probe_rowwise_strips.py --label new --json out.jsonl [--stages 6]
+    PYTHONPATH=src python benchmarks/probe_rowwise_strips.py --label new --json out.jsonl [--stages 8] [--chunk 2048]
 
 For each tensor and routing (and the permuted copies of a layer's tokens read by index): the output
 compared byte for byte with the reference (``dropless.reference.quantize`` on the GPU), the kernel's time
@@ -41,11 +41,15 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--stages", type=int, default=0,
                         help="the stage ring of the strips read by TMA (0: the tree's own)")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="the least rows of a chunk of a strip drawn by work (0: the tree's own)")
     args = parser.parse_args()
-    if args.stages:
-        from dropless.kernels import quantize_hopper
+    from dropless.kernels import quantize_hopper
 
+    if args.stages:
         quantize_hopper.STRIP_STAGES = args.stages
+    if args.chunk:
+        quantize_hopper.MIN_CHUNK_ROWS = args.chunk
     copy = hbm_gbps(DEV, 10, 30)
     out = open(args.json, "a") if args.json else None
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; {args.label}", flush=True)

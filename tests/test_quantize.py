@@ -647,15 +647,68 @@ def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gat
     assert untouched(data[written:]) and untouched(scale[scale_rows:])
 
 
+def test_rowwise_chunks_leave_a_strip_fewer_chunks_than_programs():
+    """``chunk_rows``: a multiple of 128 rows, at least ``MIN_CHUNK_ROWS``, and few enough chunks a strip
+    (at most ``cdiv(M, chunk)``) that the programs holding them cannot all be waiting, and that a chunk's
+    number fits its item's ``CHUNK_SLOTS``."""
+    from dropless.kernels.quantize_hopper import CHUNK_SLOTS, MIN_CHUNK_ROWS, chunk_rows
+
+    for programs in (3, 4, 66, 132, 2000):
+        for M in (1, 127, 2048, 2049, 65536, 10**6, 9 * 10**6):
+            chunk = chunk_rows(M, programs)
+            assert chunk % 128 == 0 and chunk >= MIN_CHUNK_ROWS
+            assert -(-M // chunk) < min(programs, CHUNK_SLOTS.value), (M, programs, chunk)
+
+
 @pytest.mark.gpu
-def test_hopper_rowwise_strips_drawn_in_a_cuda_graph():
-    """Rowwise per group on the Gluon kernel (strips drawn from a counter the call zeroes) runs with host
-    syncs forbidden, and a CUDA graph of it replays right, bit for bit, with new group sizes: one group
-    with every row, the tail alone, balanced."""
+@pytest.mark.parametrize("chunk", [128, 384])
+@pytest.mark.parametrize("sizes, M, K", [
+    ([2000, 0, 130, 1, 0, 700], 3000, 200),  # one giant group in many chunks, empty groups, a tail
+    ([128 * 9], 128 * 9, 64),  # a group of whole chunks, no tail
+    ([0, 0, 2300], 2400, 136),  # the last group the only one, a partial column tile
+    (group_sizes(64, 8000, "skewed"), 8100, 72),  # many strips and chunks, a group table of 128
+])
+@pytest.mark.parametrize("tail", [True, False])
+def test_hopper_rowwise_chunks_bit_exact(monkeypatch, chunk, sizes, M, K, tail):
+    """Rowwise per group on the Gluon kernel with long strips cut into chunks of ``chunk`` rows, drawn by
+    work, the chunks of a strip meeting through its amaxes: bit for bit the reference, every element of
+    the poisoned outputs written, and with ``tail=False`` not one byte past the groups' rows."""
+    from dropless.kernels import quantize_hopper
     from dropless.kernels.launch import hopper_gluon_device
 
     if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
         pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setattr(quantize_hopper, "MIN_CHUNK_ROWS", chunk)
+    recipe = get_recipe("rowwise", pow2=chunk == 384)
+    x = planted((M, K), torch.bfloat16, KERNEL_DEVICE)
+    x[8, 5] = float("nan")
+    x[20, 7] = float("inf")
+    offsets = offsets_of(sizes, KERNEL_DEVICE)
+    data, scale = (poison(t) for t in empty_quantized(x.shape, recipe, 0, len(sizes), KERNEL_DEVICE))
+    quantize_along(x, data, scale, recipe, 0, offsets, bound=None if tail else offsets[-1:])
+    ref_data, ref_scale = reference.quantize(x.cpu(), recipe, 0, offsets.cpu())
+    written, scale_rows = data.shape[0], scale.shape[0]
+    if not tail:
+        written, scale_rows = data_rows_of([*sizes, M - sum(sizes)], M)[0][-1], len(sizes)
+    assert_same_bits(data[:written], ref_data[:written])
+    assert torch.equal(raw(scale[:scale_rows]).cpu(), raw(ref_scale[:scale_rows]))
+    assert untouched(data[written:]) and untouched(scale[scale_rows:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_hopper_rowwise_strips_drawn_in_a_cuda_graph(monkeypatch, chunk):
+    """Rowwise per group on the Gluon kernel (strips drawn from a counter the call zeroes; with ``chunk``,
+    long strips cut into chunks that wait for each other) runs with host syncs forbidden, and a CUDA graph
+    of it replays right, bit for bit, with new group sizes: one group with every row, all empty,
+    balanced."""
+    from dropless.kernels import quantize_hopper
+    from dropless.kernels.launch import hopper_gluon_device
+
+    if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
+        pytest.skip("needs an sm_90 GPU")
+    if chunk:
+        monkeypatch.setattr(quantize_hopper, "MIN_CHUNK_ROWS", chunk)
     x = torch.randn(4096, 320, device="cuda", dtype=torch.bfloat16)
     offsets = offsets_of([3000, 0, 1000, 50], "cuda")
     dropless.quantize(x, "rowwise", 0, offsets)

@@ -69,7 +69,11 @@ STRIP_STAGES = 8
 # flight fit in it (benchmarks/NOTES.md, v30).
 MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
-QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn strips the scheduler may queue ahead
+QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn items the scheduler may queue ahead
+CHUNK_SLOTS: gl.constexpr = gl.constexpr(1024)  # rowwise: an item is strip * CHUNK_SLOTS + chunk
+# Rowwise strips read by TMA of more rows than this are cut into chunks of it, each drawn on its own, their
+# programs meeting through the strip's amaxes (benchmarks/NOTES.md, v37).
+MIN_CHUNK_ROWS = 2048
 
 
 
@@ -140,15 +144,15 @@ def _strip_work(C, E, BOUNDED: gl.constexpr):
 
 
 @gluon.jit
-def _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK: gl.constexpr, WARPS: gl.constexpr):
-    """The ``n``-th strip of this program: the scheduler's ``n``-th draw (BY_WORK), or every
-    ``num_programs``-th strip in group order; -1 past the last."""
+def _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK: gl.constexpr, WARPS: gl.constexpr):
+    """The ``n``-th item of this program, ``strip * CHUNK_SLOTS + chunk``: the scheduler's ``n``-th draw
+    (BY_WORK), or every ``num_programs``-th strip in group order, whole; -1 past the last."""
     if BY_WORK:
-        strip = take_item(strip_ids, strip_ready, strip_empty, n, QUEUE, WARPS)
+        item = take_item(strip_ids, strip_ready, strip_empty, n, QUEUE, WARPS)
     else:
         strip = gl.program_id(0) + n * gl.num_programs(0)
-        strip = gl.where(strip < work, strip, -1)
-    return strip
+        item = gl.where(strip < work, strip * CHUNK_SLOTS, -1)
+    return item
 
 
 @gluon.jit
@@ -157,79 +161,103 @@ def _add(a, b):
 
 
 @gluon.jit
-def _places(member):
-    """A bool vector's exclusive prefix count (each member's place among the members) and its count."""
-    m = member.to(gl.int32)
-    return gl.associative_scan(m, 0, _add) - m, gl.sum(m, axis=0)
+def _prefix(values):
+    """An int vector's exclusive prefix sum and its total."""
+    return gl.associative_scan(values, 0, _add) - values, gl.sum(values, axis=0)
 
 
 @gluon.jit
-def _draw_order(offsets_ptr, E, M, E_POW2: gl.constexpr):
-    """Each group's place in the order its strips are drawn, an ``[E_POW2]`` vector over one warp (-1 from
-    entry E on): groups of more than 8 times the mean size first, then those of more than twice it, then
-    the rest, each class in group order. Largest first to within a size class, from three prefix counts:
-    an exact ranking, a loop over the groups, cost ~15 us at E = 128 before the first draw."""
+def _draw_table(offsets_ptr, E, M, CHUNK, col_tiles, E_POW2: gl.constexpr):
+    """Per group, ``[E_POW2]`` vectors over one warp: its chunk count (a strip of more than CHUNK rows is
+    cut into chunks of CHUNK rows; 0 from entry E on) and the first of its items in the draw order (each
+    item a chunk of one of its strips, strip-major); and the groups' item count. Groups are drawn by size
+    class: those of more than 8 times the mean size first, then those of more than twice it, then the
+    rest, each class in group order. That is largest first to within a class, from three prefix sums; an
+    exact ranking (a loop over the groups) cost ~15 us at E = 128 before the first draw (v36)."""
     e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, 1, False))
     starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, 1)
     routed = e < E
     sizes = gl.where(routed, ends - starts, 0)
+    chunks = gl.where(routed, gl.maximum(gl.cdiv(sizes, CHUNK), 1), 0)
+    items = chunks * col_tiles
     mean = gl.sum(sizes, axis=0) // E
-    huge = routed & (sizes > 8 * mean)
-    large = routed & (sizes > 2 * mean) & (sizes <= 8 * mean)
-    place_huge, huge_count = _places(huge)
-    place_large, large_count = _places(large)
-    place_rest, _ = _places(routed & (sizes <= 2 * mean))
-    order = gl.where(huge, place_huge, gl.where(large, huge_count + place_large, huge_count + large_count + place_rest))
-    return gl.where(routed, order, -1)
+    huge = sizes > 8 * mean
+    large = (sizes > 2 * mean) & (sizes <= 8 * mean)
+    first_huge, huge_items = _prefix(gl.where(huge, items, 0))
+    first_large, large_items = _prefix(gl.where(large, items, 0))
+    first_rest, rest_items = _prefix(gl.where(sizes <= 2 * mean, items, 0))
+    firsts = gl.where(huge, first_huge, gl.where(large, huge_items + first_large, huge_items + large_items + first_rest))
+    return chunks, firsts, huge_items + large_items + rest_items
 
 
 @gluon.jit
-def _strip_scheduler(strip_ids, strip_ready, strip_empty, counter_ptr, offsets_ptr, M, C, E, BOUNDED: gl.constexpr,
-                     E_POW2: gl.constexpr):
-    """Rowwise, one warp: draws strips one at a time from a counter that all programs share, the groups'
-    strips in ``_draw_order`` (the tail's, which read nothing, last), and queues their numbers for the
-    loader and the compute partition, ending with -1. It runs up to QUEUE strips ahead, so the counter's
-    latency is off the loader's path."""
-    order = _draw_order(offsets_ptr, E, M, E_POW2)
+def _strip_scheduler(strip_ids, strip_ready, strip_empty, chunk_done, counter_ptr, offsets_ptr, M, C, E, CHUNK,
+                     BOUNDED: gl.constexpr, E_POW2: gl.constexpr):
+    """Rowwise, one warp: draws items one at a time from a counter that all programs share (the groups'
+    chunks of strips in ``_draw_table``'s order, then the tail's strips, which read nothing), and queues
+    them for the loader and the compute partition, ending with -1. It runs up to QUEUE items ahead, so the
+    counter's latency is off the loader's path, except after a chunk of a strip cut into several: that
+    chunk waits for its siblings' amaxes (``_chunks_amax``), so nothing more is drawn until the compute
+    partition is done with it. A program then never holds an item queued behind a chunk that waits, and
+    the chunks waited for are held by programs that are running, or will be drawn by them once they finish
+    what they hold (fewer chunks a strip than programs, ``chunk_rows``)."""
     e = gl.arange(0, E_POW2, layout=group_layout(E_POW2, 1, False))
     col_tiles = gl.cdiv(C, COLUMNS)
-    routed = E * col_tiles
-    work = _strip_work(C, E, BOUNDED)
+    chunks, firsts, routed = _draw_table(offsets_ptr, E, M, CHUNK, col_tiles, E_POW2)
+    work = routed
+    if not BOUNDED:
+        work += col_tiles
     n = 0
+    waits = 0
     drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
     while drawn < work:
-        group = gl.where(drawn < routed, gl.sum(gl.where(order == drawn // col_tiles, e, 0), axis=0), E)
-        post_item(strip_ids, strip_ready, strip_empty, n, group * col_tiles + drawn % col_tiles, QUEUE)
+        group = gl.where(drawn < routed,
+                         gl.sum(gl.where((firsts <= drawn) & (drawn < firsts + chunks * col_tiles), e, 0), axis=0), E)
+        split = gl.where(drawn < routed, pick(chunks, group), 1)
+        local = gl.where(drawn < routed, drawn - pick(firsts, group), drawn - routed)
+        post_item(strip_ids, strip_ready, strip_empty, n, (group * col_tiles + local // split) * CHUNK_SLOTS + local % split,
+                  QUEUE)
         n += 1
+        if split > 1:
+            mbarrier.wait(chunk_done.index(0), waits & 1)
+            waits += 1
         drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
     post_item(strip_ids, strip_ready, strip_empty, n, -1, QUEUE)
 
 
 @gluon.jit
+def _chunk_rows(start, end, chunk, CHUNK):
+    """The rows ``[first, last)`` of chunk ``chunk`` of a strip of the group's rows ``[start, end)``."""
+    first = start + chunk * CHUNK
+    return first, gl.minimum(first + CHUNK, end)
+
+
+@gluon.jit
 def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready, strip_empty,
-                  offsets_ptr, M, C, E, GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
+                  offsets_ptr, M, C, E, CHUNK, GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
                   E_POW2: gl.constexpr, STAGES: gl.constexpr):
-    """Rowwise: loads of the tiles of each of the program's strips (``_strip_of``), twice, for its amax and
+    """Rowwise: loads of the tiles of each of the program's items (``_item_of``), twice, for its amax and
     then for its values (the tail's strips load nothing)."""
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
     col_tiles = gl.cdiv(C, COLUMNS)
     work = _strip_work(C, E, BOUNDED)
     step = 0
     n = 0
-    strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
-    while strip >= 0:
+    item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
+    while item >= 0:
+        strip = item // CHUNK_SLOTS
         group = strip // col_tiles
         if group < E:
             col0 = (strip - group * col_tiles) * COLUMNS
-            start = pick(starts, group)
             end = pick(ends, group)
+            first, last = _chunk_rows(pick(starts, group), end, item % CHUNK_SLOTS, CHUNK)
             for _ in range(2):
-                for row0 in range(start, end, ROWS):
+                for row0 in range(first, last, ROWS):
                     _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER,
                           STAGES)
                     step += 1
         n += 1
-        strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
+        item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
 
 
 @gluon.jit
@@ -376,12 +404,30 @@ def _send(q, out_bufs, written, data_desc, col0, data_row):
 
 
 @gluon.jit
-def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty, data_desc, scale_ptr,
-                   offsets_ptr, M, C, E, SLOTS, POW2: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
-                   E_POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Rowwise, the default partition: for each of the program's strips (``_strip_of``), its column amaxes
-    over its tiles, its scales (one per group and column), then its tiles again, quantized, and the zeros
-    of its slots past the group's rows; the tail's strips write zeros (there are none with BOUNDED)."""
+def _chunks_amax(amax, amax_ptr, counter_ptr, chunks, ok):
+    """A strip's column amaxes from the partial ones of its ``chunks`` chunks, each taken by its own
+    program: this chunk's go into the strip's int32 amaxes (the bits of a non-negative float order as
+    integers), then the strip's counter counts the chunk (release, after every thread's maxima); once it
+    reaches ``chunks`` (acquire), the strip's amaxes are read back."""
+    gl.atomic_max(amax_ptr, amax.to(gl.int32, bitcast=True), mask=ok, sem="relaxed")
+    gl.thread_barrier()
+    arrived = gl.atomic_add(counter_ptr, 1, sem="release") + 1
+    while arrived < chunks:
+        arrived = gl.atomic_add(counter_ptr, 0, sem="acquire")
+    bits = gl.atomic_max(amax_ptr, gl.zeros_like(amax).to(gl.int32), mask=ok, sem="acquire")
+    return gl.where(ok, bits.to(gl.float32, bitcast=True), 0.0)
+
+
+@gluon.jit
+def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty, chunk_done, data_desc,
+                   scale_ptr, work_ptr, offsets_ptr, M, C, E, SLOTS, CHUNK, POW2: gl.constexpr, BOUNDED: gl.constexpr,
+                   BY_WORK: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Rowwise, the default partition: for each of the program's items (``_item_of``), a chunk of a strip,
+    its column amaxes over its tiles (with its sibling chunks' where the strip has several:
+    ``_chunks_amax``, then the scheduler is told), the scales (one per group and column, from the first
+    chunk), then its tiles again, quantized; the strip's last chunk also writes the zeros of its slots
+    past the group's rows; the tail's strips write zeros (there are none with BOUNDED). ``work_ptr``:
+    the draw counter, then a counter a strip, then the int32 amaxes ``[E, C]``."""
     layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
     cols = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
@@ -391,24 +437,32 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_re
     step = 0
     written = 0
     n = 0
-    strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
-    while strip >= 0:
+    item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
+    while item >= 0:
+        strip = item // CHUNK_SLOTS
+        chunk = item % CHUNK_SLOTS
         group = strip // col_tiles
         col0 = (strip - group * col_tiles) * COLUMNS
         start = pick(starts, group)
-        first = pick(firsts, group)
         routed = group < E
         # The tail's rows are not read: its data is zeros.
         end = gl.where(routed, pick(ends, group), start)
-        slots_end = gl.where(routed, pick(firsts, group + 1), SLOTS)
+        split = gl.maximum(gl.cdiv(end - start, CHUNK), 1)
+        first, last = _chunk_rows(start, end, chunk, CHUNK)
         amax = gl.zeros([COLUMNS], gl.float32, gl.SliceLayout(0, layout))
-        for row0 in range(start, end, ROWS):
+        for row0 in range(first, last, ROWS):
             amax = gl.maximum(amax, column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
             step += 1
+        ok = cols < C - col0
+        if split > 1:
+            amax = _chunks_amax(amax, work_ptr + 1 + E * col_tiles + group * C + col0 + cols, work_ptr + 1 + strip,
+                                split, ok)
         scale = fp8_math.gluon_block_scale(amax, False, POW2, False)
-        gl.store(scale_ptr + group * C + col0 + cols, scale, mask=(cols < C - col0) & routed)
-        for slot in range(first, slots_end):
-            row0 = start + (slot - first) * ROWS
+        gl.store(scale_ptr + group * C + col0 + cols, scale, mask=ok & routed & (chunk == 0))
+        slot0 = pick(firsts, group) + chunk * (CHUNK // ROWS)
+        slots_end = gl.where(routed, pick(firsts, group + 1), SLOTS)
+        for slot in range(slot0, gl.where(chunk == split - 1, slots_end, slot0 + CHUNK // ROWS)):
+            row0 = first + (slot - slot0) * ROWS
             if row0 < end:
                 v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
                 step += 1
@@ -416,14 +470,16 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_re
                 written += 1
             else:
                 tma.async_copy_shared_to_global(data_desc, [col0, slot * ROWS], zero_buf)
+        if split > 1:
+            release(chunk_done, 0, 1)
         n += 1
-        strip = _strip_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
+        item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, num_warps)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_ptr, counter_ptr, offsets_ptr,
-                            M, C, E, SLOTS, SCALE_ROWS,
+def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_ptr, work_ptr, offsets_ptr,
+                            M, C, E, SLOTS, SCALE_ROWS, CHUNK,
                             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
                             GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr,
                             STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -435,27 +491,29 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
     else:
         ready, empty = stage_barriers(STAGES)
     if BLOCK == 0:
-        # The queue of drawn strips (BY_WORK): a slot is free again once the loader and the compute
-        # partition have both read it.
+        # The queue of drawn items (BY_WORK): a slot is free again once the loader and the compute
+        # partition have both read it; chunk_done: the compute partition is done with a chunk that waited.
         strip_ids = gl.allocate_shared_memory(gl.int32, [QUEUE, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         strip_ready, strip_empty = stage_barriers(QUEUE, readers=2)
+        chunk_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(chunk_done.index(0), count=1)
         if BY_WORK:
             gl.warp_specialize([
                 (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
-                                  data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, POW2, BOUNDED, True, E_POW2,
-                                  STAGES, num_warps)),
+                                  chunk_done, data_desc, scale_ptr, work_ptr, offsets_ptr, M, C, E, SLOTS, CHUNK, POW2,
+                                  BOUNDED, True, E_POW2, STAGES, num_warps)),
                 (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
-                                 strip_empty, offsets_ptr, M, C, E, GATHER, BOUNDED, True, E_POW2, STAGES)),
-                (_strip_scheduler, (strip_ids, strip_ready, strip_empty, counter_ptr, offsets_ptr, M, C, E, BOUNDED,
-                                    E_POW2)),
-            ], [LOADER_WARPS, 1], [64, 48])
+                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, True, E_POW2, STAGES)),
+                (_strip_scheduler, (strip_ids, strip_ready, strip_empty, chunk_done, work_ptr, offsets_ptr, M, C, E,
+                                    CHUNK, BOUNDED, E_POW2)),
+            ], [LOADER_WARPS, 1], [64, 96])
         else:
             gl.warp_specialize([
                 (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
-                                  data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, POW2, BOUNDED, False, E_POW2,
-                                  STAGES, num_warps)),
+                                  chunk_done, data_desc, scale_ptr, work_ptr, offsets_ptr, M, C, E, SLOTS, CHUNK, POW2,
+                                  BOUNDED, False, E_POW2, STAGES, num_warps)),
                 (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
-                                 strip_empty, offsets_ptr, M, C, E, GATHER, BOUNDED, False, E_POW2, STAGES)),
+                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, False, E_POW2, STAGES)),
             ], [LOADER_WARPS], [64])
     else:
         gl.warp_specialize([
@@ -473,12 +531,21 @@ def quantize_groups_hopper_ok(x: torch.Tensor, data: torch.Tensor, recipe: Recip
     """Whether the Gluon kernel quantizes ``x [M, K]`` (or ``x[rows]``) per group along the tokens into
     ``data`` (a ``[Mp, K]`` view of ``[K, Mp]`` storage): a 16-bit x that TMA reads on an sm_90 GPU, a
     non-empty operand, a recipe other than block128x128, and few enough tiles that a program's share of
-    them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 9 million rows at K = 7168)."""
+    them is found in 32-bit arithmetic (``tiles * programs < 2**31``: some 9 million rows at K = 7168), and
+    for rowwise an item ``strip * CHUNK_SLOTS + chunk`` too (some 2 million rows at K = 7168)."""
     M = x.shape[0] if rows is None else rows.shape[0]
     if not (x.dim() == 2 and not recipe.tile and M > 0 and hopper_kernels_ok(x) and LaunchInfo.tma_ok(data.t())):
         return False
     tiles = data.shape[0] // GROUP_ALIGN * cdiv(x.shape[1], COLUMNS.value)
-    return tiles * PROGRAMS_PER_SM * launch_info(x.device).num_programs < 2**31
+    programs = PROGRAMS_PER_SM * launch_info(x.device).num_programs
+    return tiles * (max(programs, CHUNK_SLOTS.value) if recipe.block is None else programs) < 2**31
+
+
+def chunk_rows(M: int, programs: int) -> int:
+    """Rows a chunk of a rowwise strip drawn by work: ``MIN_CHUNK_ROWS``, or more (a multiple of 128) where
+    M asks, so that a strip has fewer chunks than there are ``programs`` (and than ``CHUNK_SLOTS``): the
+    programs holding a strip's chunks can then never be all of them waiting for chunks not yet drawn."""
+    return max(MIN_CHUNK_ROWS, GROUP_ALIGN * cdiv(cdiv(M, GROUP_ALIGN), min(programs, CHUNK_SLOTS.value) - 2))
 
 
 def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe,
@@ -497,14 +564,21 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
     programs = (PROGRAMS_PER_SM if limited else 1) * launch_info(x.device).num_programs
     # Rowwise hands out strips (a group's rows, 64 columns; the tail's too), the blockwise recipes tiles.
     work = (E + 1 if recipe.block is None else slots) * cdiv(C, COLUMNS.value)
-    # Strips read by TMA are drawn from a counter; rows read by index keep the static order, whose two
-    # programs a multiprocessor a scheduler warp would cost (a third warpgroup's registers).
+    # Strips read by TMA are drawn from a counter, long ones in chunks; rows read by index keep the static
+    # order, whole strips, whose two programs a multiprocessor a scheduler warp would cost (a third
+    # warpgroup's registers).
     by_work = recipe.block is None and rows is None
-    counter = torch.zeros(1, dtype=torch.int32, device=x.device) if by_work else offsets
+    chunk = chunk_rows(M, programs) if by_work else GROUP_ALIGN * cdiv(M, GROUP_ALIGN)
+    if by_work:
+        # The draw counter, then where strips cut into chunks meet: a counter a strip, the amaxes [E, C].
+        shared = 1 + (E * cdiv(C, COLUMNS.value) + E * C if M > chunk else 0)
+        work_buffer = torch.zeros(shared, dtype=torch.int32, device=x.device)
+    else:
+        work_buffer = offsets
     _LAUNCH((max(1, min(work, programs)),), x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]), x_ptr=x,
             rows_ptr=x if rows is None else rows, stride_x=x.stride(0),
-            data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, counter_ptr=counter,
-            offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, BLOCK=recipe.block or 0,
-            MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
+            data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, work_ptr=work_buffer,
+            offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, CHUNK=chunk,
+            BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
             GATHER=rows is not None, BOUNDED=bounded, BY_WORK=by_work, E_POW2=next_power_of_2(E + 1),
             STAGES=STRIP_STAGES if by_work else STAGES, num_warps=4, maxnreg=MAX_REGISTERS if limited else None)
