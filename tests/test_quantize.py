@@ -648,16 +648,18 @@ def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gat
 
 
 def test_rowwise_chunks_leave_a_strip_fewer_chunks_than_programs():
-    """``chunk_rows``: a multiple of 128 rows, at least ``MIN_CHUNK_ROWS``, and few enough chunks a strip
-    (at most ``cdiv(M, chunk)``) that the programs holding them cannot all be waiting, and that a chunk's
-    number fits its item's ``CHUNK_SLOTS``."""
+    """``chunk_rows``: a multiple of 128 rows, at least ``MIN_CHUNK_ROWS`` and half a program's share of
+    the strips' rows, and few enough chunks a strip (at most ``cdiv(M, chunk)``) that the programs holding
+    them cannot all be waiting, and that a chunk's number fits its item's ``CHUNK_SLOTS``."""
     from dropless.kernels.quantize_hopper import CHUNK_SLOTS, MIN_CHUNK_ROWS, chunk_rows
 
     for programs in (3, 4, 66, 132, 2000):
         for M in (1, 127, 2048, 2049, 65536, 10**6, 9 * 10**6):
-            chunk = chunk_rows(M, programs)
-            assert chunk % 128 == 0 and chunk >= MIN_CHUNK_ROWS
-            assert -(-M // chunk) < min(programs, CHUNK_SLOTS.value), (M, programs, chunk)
+            for C in (8, 768, 7168):
+                chunk = chunk_rows(M, C, programs)
+                assert chunk % 128 == 0 and chunk >= MIN_CHUNK_ROWS
+                assert 2 * chunk >= M * -(-C // 64) / programs
+                assert -(-M // chunk) < min(programs, CHUNK_SLOTS.value), (M, C, programs, chunk)
 
 
 @pytest.mark.gpu
