@@ -227,9 +227,13 @@ def _strip_scheduler(strip_ids, strip_ready, strip_empty, chunk_done, counter_pt
 
 @gluon.jit
 def _chunk_rows(start, end, chunk, CHUNK):
-    """The rows ``[first, last)`` of chunk ``chunk`` of a strip of the group's rows ``[start, end)``."""
-    first = start + chunk * CHUNK
-    return first, gl.minimum(first + CHUNK, end)
+    """The rows ``[first, last)`` of chunk ``chunk`` of a strip of the group's rows ``[start, end)``, and
+    the rows of its chunks: a strip of more than CHUNK rows is cut into as many chunks as that takes, of
+    equal rows to within 128 (a short last chunk would wait for its long siblings with nothing to do)."""
+    rows = end - start
+    size = gl.cdiv(gl.cdiv(rows, gl.maximum(gl.cdiv(rows, CHUNK), 1)), ROWS) * ROWS
+    first = start + chunk * size
+    return first, gl.minimum(first + size, end), size
 
 
 @gluon.jit
@@ -250,7 +254,10 @@ def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip
         if group < E:
             col0 = (strip - group * col_tiles) * COLUMNS
             end = pick(ends, group)
-            first, last = _chunk_rows(pick(starts, group), end, item % CHUNK_SLOTS, CHUNK)
+            first = pick(starts, group)
+            last = end
+            if BY_WORK:
+                first, last, _ = _chunk_rows(first, end, item % CHUNK_SLOTS, CHUNK)
             for _ in range(2):
                 for row0 in range(first, last, ROWS):
                     _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER,
@@ -447,8 +454,13 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_re
         routed = group < E
         # The tail's rows are not read: its data is zeros.
         end = gl.where(routed, pick(ends, group), start)
+        # Rows read by index take whole strips (CHUNK past every group's rows).
         split = gl.maximum(gl.cdiv(end - start, CHUNK), 1)
-        first, last = _chunk_rows(start, end, chunk, CHUNK)
+        first = start
+        last = end
+        size = CHUNK
+        if BY_WORK:
+            first, last, size = _chunk_rows(start, end, chunk, CHUNK)
         amax = gl.zeros([COLUMNS], gl.float32, gl.SliceLayout(0, layout))
         for row0 in range(first, last, ROWS):
             amax = gl.maximum(amax, column_amax(_take(x_bufs, ready, empty, step, row0, end, layout, STAGES), 0))
@@ -459,9 +471,9 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_re
                                 split, ok)
         scale = fp8_math.gluon_block_scale(amax, False, POW2, False)
         gl.store(scale_ptr + group * C + col0 + cols, scale, mask=ok & routed & (chunk == 0))
-        slot0 = pick(firsts, group) + chunk * (CHUNK // ROWS)
+        slot0 = pick(firsts, group) + chunk * (size // ROWS)
         slots_end = gl.where(routed, pick(firsts, group + 1), SLOTS)
-        for slot in range(slot0, gl.where(chunk == split - 1, slots_end, slot0 + CHUNK // ROWS)):
+        for slot in range(slot0, gl.where(chunk == split - 1, slots_end, slot0 + size // ROWS)):
             row0 = first + (slot - slot0) * ROWS
             if row0 < end:
                 v = _take(x_bufs, ready, empty, step, row0, end, layout, STAGES)
