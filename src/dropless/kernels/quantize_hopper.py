@@ -24,11 +24,15 @@ Rowwise (one scale per group and column) hands out strips instead, a group's row
 program reads a strip's tiles twice, for their column amaxes and then for their values, the second time
 mostly from L2 where the strips running together fit in it, in one launch with no amax buffer. A strip's
 work is its group's row count, so with skewed routing one group's strips can be several times the
-rest. Where the loads are TMA's, a scheduler warp draws strips one at a time from a counter that all
-programs share, large groups' first, and queues each for the loader and the compute warps
-(``ragged_k_hopper``'s by-work schedule): a program that drew a long strip draws no more until it is
-done, and the short strips fill the gaps at the end. Rows read by index keep every ``num_programs``-th
-strip in group order: their two programs a multiprocessor leave no registers for a scheduler warp.
+rest. Where the loads are TMA's, work is drawn instead (``ragged_k_hopper``'s by-work schedule): a
+scheduler warp draws items one at a time from a counter that all programs share, large groups' first,
+and queues each for the loader and the compute warps, so a program that drew a long item draws no more
+until it is done and short ones fill the gaps at the end. An item is a strip, or, for a strip longer than
+``chunk_rows``, one of its chunks of equal rows: each chunk's program adds its partial amaxes into the
+strip's (a zeroed int32 buffer) and waits on the strip's counter for its siblings' before it quantizes
+(``_chunks_amax``, ``_strip_scheduler`` for why the wait ends). Rows read by index keep every
+``num_programs``-th strip in group order, whole: their two programs a multiprocessor leave no registers
+for a scheduler warp.
 """
 
 from __future__ import annotations
@@ -71,10 +75,8 @@ MAX_REGISTERS = 128
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
 QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn items the scheduler may queue ahead
 CHUNK_SLOTS: gl.constexpr = gl.constexpr(1024)  # rowwise: an item is strip * CHUNK_SLOTS + chunk
-# Rowwise strips read by TMA of more rows than this are cut into chunks of it, each drawn on its own, their
-# programs meeting through the strip's amaxes (benchmarks/NOTES.md, v37).
+# The least rows of a chunk of a rowwise strip drawn by work (``chunk_rows``; benchmarks/NOTES.md, v37).
 MIN_CHUNK_ROWS = 2048
-
 
 
 @gluon.jit
@@ -509,6 +511,7 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
         strip_ready, strip_empty = stage_barriers(QUEUE, readers=2)
         chunk_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(chunk_done.index(0), count=1)
+        # Two calls, the same but for the scheduler: warp_specialize takes its partitions as literals.
         if BY_WORK:
             gl.warp_specialize([
                 (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
