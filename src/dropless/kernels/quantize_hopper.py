@@ -169,9 +169,16 @@ def _prefix(values):
 
 
 @gluon.jit
+def _chunk_count(rows, CHUNK):
+    """How many chunks a strip of ``rows`` rows (a scalar or a vector) is cut into: at least one, and as
+    many as chunks of at most CHUNK rows take (``_chunk_rows`` makes them of equal rows)."""
+    return gl.maximum(gl.cdiv(rows, CHUNK), 1)
+
+
+@gluon.jit
 def _draw_table(offsets_ptr, E, M, CHUNK, col_tiles, E_POW2: gl.constexpr):
-    """Per group, ``[E_POW2]`` vectors over one warp: its chunk count (a strip of more than CHUNK rows is
-    cut into chunks of CHUNK rows; 0 from entry E on) and the first of its items in the draw order (each
+    """Per group, ``[E_POW2]`` vectors over one warp: its chunk count (``_chunk_count``; 0 from entry E on)
+    and the first of its items in the draw order (each
     item a chunk of one of its strips, strip-major); and the groups' item count. Groups are drawn by size
     class: those of more than 8 times the mean size first, then those of more than twice it, then the
     rest, each class in group order. That is largest first to within a class, from three prefix sums; an
@@ -180,7 +187,7 @@ def _draw_table(offsets_ptr, E, M, CHUNK, col_tiles, E_POW2: gl.constexpr):
     starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, 1)
     routed = e < E
     sizes = gl.where(routed, ends - starts, 0)
-    chunks = gl.where(routed, gl.maximum(gl.cdiv(sizes, CHUNK), 1), 0)
+    chunks = gl.where(routed, _chunk_count(sizes, CHUNK), 0)
     items = chunks * col_tiles
     mean = gl.sum(sizes, axis=0) // E
     huge = sizes > 8 * mean
@@ -230,10 +237,10 @@ def _strip_scheduler(strip_ids, strip_ready, strip_empty, chunk_done, counter_pt
 @gluon.jit
 def _chunk_rows(start, end, chunk, CHUNK):
     """The rows ``[first, last)`` of chunk ``chunk`` of a strip of the group's rows ``[start, end)``, and
-    the rows of its chunks: a strip of more than CHUNK rows is cut into as many chunks as that takes, of
-    equal rows to within 128 (a short last chunk would wait for its long siblings with nothing to do)."""
+    the rows of its chunks: ``_chunk_count`` chunks of equal rows to within 128 (a short last chunk would
+    wait for its long siblings with nothing to do)."""
     rows = end - start
-    size = gl.cdiv(gl.cdiv(rows, gl.maximum(gl.cdiv(rows, CHUNK), 1)), ROWS) * ROWS
+    size = gl.cdiv(gl.cdiv(rows, _chunk_count(rows, CHUNK)), ROWS) * ROWS
     first = start + chunk * size
     return first, gl.minimum(first + size, end), size
 
@@ -457,7 +464,7 @@ def _strip_compute(x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_re
         # The tail's rows are not read: its data is zeros.
         end = gl.where(routed, pick(ends, group), start)
         # Rows read by index take whole strips (CHUNK past every group's rows).
-        split = gl.maximum(gl.cdiv(end - start, CHUNK), 1)
+        split = _chunk_count(end - start, CHUNK)
         first = start
         last = end
         size = CHUNK
