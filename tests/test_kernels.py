@@ -332,6 +332,28 @@ def test_ragged_m_every_candidate_config(config, w_layout, shape):
     assert_rows_close(y, oracle_grouped_mm(x, w, sizes), sizes, dtype)
 
 
+@pytest.mark.parametrize("w_layout", ["nk", "kn"])
+@pytest.mark.parametrize("M, K, N, sizes", [
+    (40, 300, 48, [0, 40, 0]),  # every row to one expert: one row of tiles, K split into parts
+    (77, 170, 100, [0, 30, 0, 0, 40, 0]),  # odd K and N (pointer loads), a tail, K steps not divisible
+    (50, 96, 16, [13]),  # a tail of 37 rows (zeros), three K steps for up to eight parts
+    (300, 64, 64, [100, 100, 100]),  # more tiles than parts fit: routings like this one run unsplit
+])
+@pytest.mark.parametrize("split", [2, 8])
+def test_ragged_m_split_k(w_layout, M, K, N, sizes, split):
+    """Split K (``config.split_k``): each tile's K steps over up to ``split`` programs, chosen on the
+    device from the tile count, the fp32 partials added in order by the part that arrives last, every row
+    of the poisoned output written (the tail's zeros too), against the fp64 oracle."""
+    config = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, split_k=split)
+    x = make_x(M, K, torch.float32, DEVICE)
+    w = make_w(len(sizes), K, N, torch.float32, DEVICE, w_layout)
+    y = poisoned((M, N), torch.float32, DEVICE)
+    info = dataclasses.replace(launch.launch_info(DEVICE), num_programs=16)
+    ragged_m_mm(x, w, offsets_of(sizes, DEVICE), y, config, info)
+    assert_rows_close(y, oracle_grouped_mm(x, w, sizes), sizes, torch.float32)
+    assert not y.isnan().any()
+
+
 @pytest.mark.parametrize("mode", ["overwrite", "flagged"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["ekn", "enk_view"])
 @pytest.mark.parametrize("config", _candidates(tuning._RAGGED_K), ids=str)

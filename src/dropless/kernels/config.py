@@ -25,11 +25,13 @@ class GemmConfig:
     tma_store: bool = False  # write output tiles through TMA where the layout allows
     programs_per_sm: int = 1  # 2: one program's epilogue overlaps the other's main loop
     gluon: bool = False  # the Hopper warp-specialized Gluon kernel (loader warp, asynchronous TMA stores)
+    split_k: int = 1  # ragged-M, Triton: split K over up to this many programs where tiles are few
 
     def __str__(self) -> str:
         extra = "".join(tag for tag, on in (("/flat", self.flatten), ("/ws", self.warp_specialize),
                                             ("/lpt", self.by_work), ("/tmast", self.tma_store),
                                             (f"/x{self.programs_per_sm}", self.programs_per_sm > 1),
-                                            ("/gluon", self.gluon)) if on)
+                                            ("/gluon", self.gluon), (f"/k{self.split_k}", self.split_k > 1))
+                         if on)
         return (f"{self.block_m}x{self.block_n}x{self.block_k}"
                 f"/g{self.group_m}/w{self.num_warps}/s{self.num_stages}{extra}")

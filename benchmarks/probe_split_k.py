@@ -1,0 +1,82 @@
+"""Split K on the decode shapes: the Triton ragged-M kernel with ``config.split_k`` (``kernels/ragged_m.py``)
+against the tuned product (``tuning.run_ragged_m``) and ``torch._grouped_mm``, forward and input gradient,
+one GPU, each replayed from a CUDA graph (the GPU's time alone).
+
+    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--json out.jsonl]
+
+For each decode shape and routing: every output checked against torch._grouped_mm's (relative Frobenius
+error), and the time of each method. Split K matters where the tiles are fewer than the multiprocessors
+and K is long (Mixtral's all-to-one rows: one group of 64 rows, 16 tiles over K = 4,096 or 14,336).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("DROPLESS_AUTOTUNE", "1")
+
+import torch
+
+from dropless.bench.routing import group_sizes
+from dropless.bench.shapes import DECODE_SHAPES
+from dropless.bench.timing import graphed_median_ms
+from dropless.kernels.config import GemmConfig
+from dropless.kernels.launch import launch_info
+from dropless.kernels.ragged_m import ragged_m_mm
+from dropless.kernels.tuning import run_ragged_m
+
+DEV = torch.device("cuda")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--splits", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    out = open(args.json, "a") if args.json else None
+    info = launch_info(DEV)
+    print(f"{torch.cuda.get_device_name()}; us, replayed from a CUDA graph", flush=True)
+    for shape in DECODE_SHAPES:
+        for routing in ("balanced", "all-to-one"):
+            sizes = group_sizes(shape.E, shape.M, routing, 0)
+            offsets = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+            for name, (K, N) in (("fwd", (shape.K, shape.N)), ("dgrad", (shape.N, shape.K))):
+                x = torch.randn(shape.M, K, device=DEV, dtype=torch.bfloat16)
+                w = torch.randn(shape.E, N, K, device=DEV, dtype=torch.bfloat16).transpose(1, 2) / K**0.5
+                ref = torch._grouped_mm(x, w, offsets)
+                methods = {"torch": lambda: torch._grouped_mm(x, w, offsets),
+                           "tuned": lambda: run_ragged_m(x, w, offsets, torch.empty_like(ref))}
+                for split in args.splits:
+                    for bm in (64, 128):
+                        config = GemmConfig(bm, 256, 64, num_warps=4 if bm == 64 else 8, num_stages=4, split_k=split)
+                        methods[f"{bm}x256/k{split}"] = (
+                            lambda config=config: ragged_m_mm(x, w, offsets, torch.empty_like(ref), config, info))
+                row = {}
+                for label, fn in methods.items():
+                    y = torch.empty_like(ref)
+                    if label == "torch":
+                        y = fn()
+                    elif label == "tuned":
+                        run_ragged_m(x, w, offsets, y)
+                    else:
+                        ragged_m_mm(x, w, offsets, y, GemmConfig(int(label.split("x")[0]), 256, 64,
+                                                                 num_warps=4 if label.startswith("64") else 8,
+                                                                 num_stages=4, split_k=int(label.split("/k")[1])),
+                                    info)
+                    err = float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+                    row[label] = (1e3 * graphed_median_ms(fn, DEV, 25, 100), err)
+                best = min(t for label, (t, _) in row.items() if label not in ("torch", "tuned"))
+                print(f"{shape.name:28s} {routing:10s} {name:5s} torch {row['torch'][0]:7.1f} tuned {row['tuned'][0]:7.1f} "
+                      + " ".join(f"{label} {t:7.1f}" for label, (t, _) in row.items() if label not in ("torch", "tuned"))
+                      + f"  best/torch {row['torch'][0] / best:.2f}  max err {max(e for _, e in row.values()):.1e}",
+                      flush=True)
+                if out:
+                    out.write(json.dumps(dict(shape=shape.name, routing=routing, pass_=name,
+                                              us={k: v[0] for k, v in row.items()},
+                                              err={k: v[1] for k, v in row.items()})) + "\n")
+
+
+if __name__ == "__main__":
+    main()
