@@ -46,25 +46,25 @@ def main() -> None:
                 x = torch.randn(shape.M, K, device=DEV, dtype=torch.bfloat16)
                 w = torch.randn(shape.E, N, K, device=DEV, dtype=torch.bfloat16).transpose(1, 2) / K**0.5
                 ref = torch._grouped_mm(x, w, offsets)
-                methods = {"torch": lambda: torch._grouped_mm(x, w, offsets),
-                           "tuned": lambda: run_ragged_m(x, w, offsets, torch.empty_like(ref))}
+
+                def tuned(x=x, w=w, offsets=offsets, ref=ref):
+                    y = torch.empty_like(ref)
+                    run_ragged_m(x, w, offsets, y)
+                    return y
+
+                def split_k(config, x=x, w=w, offsets=offsets, ref=ref):
+                    y = torch.empty_like(ref)
+                    ragged_m_mm(x, w, offsets, y, config, info)
+                    return y
+
+                methods = {"torch": lambda x=x, w=w, offsets=offsets: torch._grouped_mm(x, w, offsets), "tuned": tuned}
                 for split in args.splits:
                     for bm in (64, 128):
                         config = GemmConfig(bm, 256, 64, num_warps=4 if bm == 64 else 8, num_stages=4, split_k=split)
-                        methods[f"{bm}x256/k{split}"] = (
-                            lambda config=config: ragged_m_mm(x, w, offsets, torch.empty_like(ref), config, info))
+                        methods[f"{bm}x256/k{split}"] = lambda config=config: split_k(config)
                 row = {}
                 for label, fn in methods.items():
-                    y = torch.empty_like(ref)
-                    if label == "torch":
-                        y = fn()
-                    elif label == "tuned":
-                        run_ragged_m(x, w, offsets, y)
-                    else:
-                        ragged_m_mm(x, w, offsets, y, GemmConfig(int(label.split("x")[0]), 256, 64,
-                                                                 num_warps=4 if label.startswith("64") else 8,
-                                                                 num_stages=4, split_k=int(label.split("/k")[1])),
-                                    info)
+                    y = fn()
                     err = float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
                     row[label] = (1e3 * graphed_median_ms(fn, DEV, 25, 100), err)
                 best = min(t for label, (t, _) in row.items() if label not in ("torch", "tuned"))
