@@ -25,7 +25,8 @@ from conftest import (
 import dropless
 from dropless import GroupedLinear, reference
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
-from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok
+from dropless.kernels import tuning
+from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok, launch_info
 from dropless.kernels.tuning import hopper_candidates, run_ragged_k, run_ragged_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -266,6 +267,54 @@ def test_ragged_m_hopper_tile_sequences(config, programs):
         ragged_m_mm_hopper(x, w, offsets, y, config, programs)
         ref = reference.grouped_mm(torch.nan_to_num(x.double()), w.double(), offsets)
         assert_rows_close(y, ref, sizes, torch.bfloat16, f"y ({w_layout})")
+
+
+@needs_sm90
+@pytest.mark.parametrize("w_layout", ["nk", "kn"])
+def test_split_k_graph_replays_decode_routings(w_layout):
+    """The split-K config captured in a CUDA graph under balanced routing (unsplit: 64 tiles of 64x256) and
+    replayed with every row in one expert (16 tiles: K split 4 ways on the device), a tail of unrouted
+    rows, and balanced again: each replay's output against the fp64 product, NaN rows past the end."""
+    E, M, K, N = 4, 64, 4096, 4096
+    w = make_w(E, K, N, torch.bfloat16, DEVICE, w_layout)
+    static_x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+    static_offsets = offsets_of([16, 16, 16, 16], DEVICE)
+    static_y = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_ragged_m(static_x, w, static_offsets, static_y, config=tuning.SPLIT_K)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_ragged_m(static_x, w, static_offsets, static_y, config=tuning.SPLIT_K)
+    for sizes in ([0, 64, 0, 0], [0, 0, 0, 27], [16, 16, 16, 16], [64, 0, 0, 0]):
+        x, _ = _rows_past_end_poisoned(M, K, N, sizes, torch.bfloat16)
+        static_x.copy_(x)
+        static_offsets.copy_(offsets_of(sizes, DEVICE))
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.grouped_mm(torch.nan_to_num(x.double()), w.double(), offsets_of(sizes, DEVICE))
+        assert_rows_close(static_y, ref, sizes, torch.bfloat16, f"y (sizes {sizes})")
+
+
+@needs_sm90
+def test_decode_classes_take_split_k(monkeypatch):
+    """A product whose rows in one group would leave multiprocessors idle (a decode step) is given the
+    tuner whose default splits K; a training-size one the Hopper tuner."""
+    monkeypatch.setenv("DROPLESS_AUTOTUNE", "0")
+    E, K = 4, 512
+    for M, N, few in ((64, 2048, True), (8192, 4096, False)):
+        assert tuning.few_tiles(M, N, launch_info(DEVICE).num_programs) == few
+        x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+        w = make_w(E, K, N, torch.bfloat16, DEVICE, "nk")
+        y = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+        run_ragged_m(x, w, offsets_of([M // 4] * 4, DEVICE), y)
+        tuners = {decided[1] for signature, decided in tuning._RAGGED_M_CLASSES.items() if signature[0] == x.shape}
+        expected = tuning._RAGGED_M_HOPPER_FEW_TILES if few else tuning._RAGGED_M_HOPPER
+        assert tuners == {expected}
+    assert tuning._RAGGED_M_HOPPER_FEW_TILES.default == tuning.SPLIT_K
 
 
 @needs_sm90

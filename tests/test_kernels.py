@@ -27,7 +27,7 @@ from dropless import reference
 from dropless.kernels import launch, tuning
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE, ragged_k_mm
-from dropless.kernels.ragged_m import ragged_m_mm
+from dropless.kernels.ragged_m import ragged_m_mm, split_counters
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from triton.runtime.errors import OutOfResources
 
@@ -343,15 +343,18 @@ def test_ragged_m_every_candidate_config(config, w_layout, shape):
 def test_ragged_m_split_k(w_layout, M, K, N, sizes, split):
     """Split K (``config.split_k``): each tile's K steps over up to ``split`` programs, chosen on the
     device from the tile count, the fp32 partials added in order by the part that arrives last, every row
-    of the poisoned output written (the tail's zeros too), against the fp64 oracle."""
+    of the poisoned output written (the tail's zeros too), against the fp64 oracle. The tile counters are
+    left zeroed for the next launch, which a second launch on new operands relies on."""
     config = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, split_k=split)
-    x = make_x(M, K, torch.float32, DEVICE)
-    w = make_w(len(sizes), K, N, torch.float32, DEVICE, w_layout)
-    y = poisoned((M, N), torch.float32, DEVICE)
     info = dataclasses.replace(launch.launch_info(DEVICE), num_programs=16)
-    ragged_m_mm(x, w, offsets_of(sizes, DEVICE), y, config, info)
-    assert_rows_close(y, oracle_grouped_mm(x, w, sizes), sizes, torch.float32)
-    assert not y.isnan().any()
+    for _ in range(2):
+        x = make_x(M, K, torch.float32, DEVICE)
+        w = make_w(len(sizes), K, N, torch.float32, DEVICE, w_layout)
+        y = poisoned((M, N), torch.float32, DEVICE)
+        ragged_m_mm(x, w, offsets_of(sizes, DEVICE), y, config, info)
+        assert_rows_close(y, oracle_grouped_mm(x, w, sizes), sizes, torch.float32)
+        assert not y.isnan().any()
+        assert not split_counters(y.device, 16).any()
 
 
 @pytest.mark.parametrize("mode", ["overwrite", "flagged"])

@@ -681,6 +681,7 @@ def test_hopper_rowwise_chunks_bit_exact(monkeypatch, chunk, sizes, M, K, tail):
     if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setattr(quantize_hopper, "MIN_CHUNK_ROWS", chunk)
+    monkeypatch.setattr(quantize_hopper, "STATIC_MAX_GROUPS", 0)  # few groups too are drawn by work
     recipe = get_recipe("rowwise", pow2=chunk == 384)
     x = planted((M, K), torch.bfloat16, KERNEL_DEVICE)
     x[8, 5] = float("nan")
@@ -698,17 +699,19 @@ def test_hopper_rowwise_chunks_bit_exact(monkeypatch, chunk, sizes, M, K, tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [None, 128])
-def test_hopper_rowwise_strips_drawn_in_a_cuda_graph(monkeypatch, chunk):
-    """Rowwise per group on the Gluon kernel (strips drawn from a counter the call zeroes; with ``chunk``,
-    long strips cut into chunks that wait for each other) runs with host syncs forbidden, and a CUDA graph
-    of it replays right, bit for bit, with new group sizes: one group with every row, all empty,
-    balanced."""
+@pytest.mark.parametrize("by_work, chunk", [(False, None), (True, None), (True, 128)])
+def test_hopper_rowwise_strips_drawn_in_a_cuda_graph(monkeypatch, by_work, chunk):
+    """Rowwise per group on the Gluon kernel (four groups: strips in the static order; ``by_work``: drawn
+    from a counter the call zeroes; with ``chunk``, long strips cut into chunks that wait for each other)
+    runs with host syncs forbidden, and a CUDA graph of it replays right, bit for bit, with new group
+    sizes: one group with every row, all empty, balanced."""
     from dropless.kernels import quantize_hopper
     from dropless.kernels.launch import hopper_gluon_device
 
     if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
         pytest.skip("needs an sm_90 GPU")
+    if by_work:
+        monkeypatch.setattr(quantize_hopper, "STATIC_MAX_GROUPS", 0)
     if chunk:
         monkeypatch.setattr(quantize_hopper, "MIN_CHUNK_ROWS", chunk)
     x = torch.randn(4096, 320, device="cuda", dtype=torch.bfloat16)

@@ -77,6 +77,9 @@ QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn items the scheduler may 
 CHUNK_SLOTS: gl.constexpr = gl.constexpr(1024)  # rowwise: an item is strip * CHUNK_SLOTS + chunk
 # The least rows of a chunk of a rowwise strip drawn by work (``chunk_rows``; benchmarks/NOTES.md, v37).
 MIN_CHUNK_ROWS = 2048
+# Rowwise strips of at most this many groups keep the static order, two programs a multiprocessor: with
+# few groups the counter has no imbalance to win back, and Mixtral's four lost 2-26% drawn by work (v37, v39).
+STATIC_MAX_GROUPS = 8
 
 
 @gluon.jit
@@ -587,12 +590,12 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
     M = x.shape[0] if rows is None else rows.shape[0]
     E = offsets.shape[0]
     slots = cdiv(M, GROUP_ALIGN) + E
-    limited = recipe.block is not None or rows is not None
+    # Strips read by TMA are drawn from a counter, long ones in chunks, unless the groups are few; rows
+    # read by index keep the static order, whole strips, whose two programs a multiprocessor a scheduler
+    # warp would cost (a third warpgroup's registers).
+    by_work = recipe.block is None and rows is None and E > STATIC_MAX_GROUPS
+    limited = not by_work
     programs = (PROGRAMS_PER_SM if limited else 1) * launch_info(x.device).num_programs
-    # Strips read by TMA are drawn from a counter, long ones in chunks; rows read by index keep the static
-    # order, whole strips, whose two programs a multiprocessor a scheduler warp would cost (a third
-    # warpgroup's registers).
-    by_work = recipe.block is None and rows is None
     chunk = chunk_rows(M, C, programs) if by_work else GROUP_ALIGN * cdiv(M, GROUP_ALIGN)
     # Rowwise hands out strips (a group's rows, 64 columns; the tail's too), those drawn by work in chunks,
     # the blockwise recipes tiles. A grid of programs enough for them all, or one a multiprocessor's worth.

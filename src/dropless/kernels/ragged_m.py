@@ -16,7 +16,8 @@ against thousands of K: a decode step whose tokens all pick one expert), each ti
 over ``split = min(MAX_SPLIT, programs // tiles, K steps)`` programs, chosen on the device from the tile
 count, so routings with enough tiles run unsplit. Each part writes its fp32 partial tile into a
 workspace ``[MAX_SPLIT, M, N]`` and counts itself on the tile's counter; the part that arrives last adds
-the partials in split order (the sum does not depend on who arrived first) and writes the tile.
+the partials in split order (the sum does not depend on who arrived first), writes the tile and sets the
+counter back to zero, so the counters (``split_counters``) stay zeroed between launches without a memset.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from dropless.kernels.launch import LaunchInfo, cdiv, next_power_of_2, weight_nk
 def _add_parts(acc, partials, counters, tile_id, part, split, rows, cols, mask, c_ptrs, M, N):
     """Split K: this part's fp32 tile into the workspace ``partials [split, M, N]``, then a count on the
     tile's counter (release, after every thread's stores); the part that makes the count ``split``
-    (acquire) adds the parts in order and writes the tile to ``c_ptrs``."""
+    (acquire) adds the parts in order, writes the tile to ``c_ptrs`` and zeroes the counter for the next
+    launch."""
     rows = rows.to(tl.int64)[:, None]
     tl.store(partials + (rows + part * M) * N + cols[None, :], acc, mask=mask)
     tl.debug_barrier()
@@ -44,6 +46,7 @@ def _add_parts(acc, partials, counters, tile_id, part, split, rows, cols, mask, 
             total += tl.load(partials + (rows + other * M) * N + cols[None, :], mask=mask, other=0.0,
                              cache_modifier=".cg")
         tl.store(c_ptrs, total.to(c_ptrs.dtype.element_ty), mask=mask)
+        tl.store(counters + tile_id, 0)
 
 
 @triton.jit
@@ -111,6 +114,22 @@ def _ragged_m_kernel(
         zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
+_SPLIT_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, programs: int) -> torch.Tensor:
+    """The int32 tile counters ``[programs]`` of split-K launches on ``device`` and its current stream,
+    zeroed once: each launch leaves them zeroed (a split launch has at most ``programs // 2`` tiles). One
+    set a stream, so launches on two streams never share one; kept for the life of the process, so a CUDA
+    graph that captured a launch reads the same counters at every replay."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, programs)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None:
+        counters = _SPLIT_COUNTERS[key] = torch.zeros(programs, dtype=torch.int32, device=device)
+    return counters
+
+
 def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torch.Tensor,
                 config: GemmConfig, info: LaunchInfo, tail: bool = True) -> None:
     """Launch the ragged-M kernel writing ``c [M, N]``; arguments are already checked by the caller.
@@ -140,7 +159,7 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
     num_programs = max(1, min(programs, max_tiles * split))
     if split > 1:
         partials = torch.empty(split, M, N, dtype=torch.float32, device=c.device)
-        counters = torch.zeros(max_tiles, dtype=torch.int32, device=c.device)
+        counters = split_counters(c.device, programs)
     else:
         partials = counters = offsets
     _ragged_m_kernel[(num_programs,)](

@@ -8,8 +8,8 @@ import torch
 
 from dropless.kernels.autotune import Autotuner, problem_class
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import (LaunchInfo, hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok, launch_info,
-                                     weight_nk)
+from dropless.kernels.launch import (LaunchInfo, cdiv, hopper_fp8_wgrad_ok, hopper_kernels_ok, hopper_wgrad_ok,
+                                     launch_info, weight_nk)
 from dropless.kernels.padded import readable, run_into_readable
 from dropless.kernels.ragged_k import oriented, ragged_k_mm
 from dropless.kernels.ragged_k_fp8 import ragged_k_fp8_mm
@@ -74,6 +74,24 @@ _RAGGED_M_HOPPER = Autotuner(
     ],
     default=GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True),
 )
+
+# On Hopper, products whose rows, all in one group, would make fewer 128x256 tiles than the GPU has
+# multiprocessors (a decode step: a few rows an expert, thousands of K). The routing decides how many
+# tiles there are, and a class is timed on its first call's: a class first timed balanced would keep a
+# config that leaves most multiprocessors idle when every row picks one expert (Mixtral's all-to-one
+# decode rows: 16 tiles, 1.3x torch._grouped_mm's time). The default splits K over up to 4 programs
+# where the tiles are at most half the programs, chosen on the device, and runs unsplit otherwise: in one
+# probe it was 1.1-1.6x faster than the tuned config with all rows in one group and within 2% of it
+# under balanced routing (benchmarks/NOTES.md, v39).
+SPLIT_K = GemmConfig(64, 256, 64, num_warps=4, num_stages=4, split_k=4)
+_RAGGED_M_HOPPER_FEW_TILES = Autotuner(
+    "ragged_m_hopper_few_tiles", candidates=[SPLIT_K, *_RAGGED_M_HOPPER.candidates], default=SPLIT_K)
+
+
+def few_tiles(M: int, N: int, programs: int) -> bool:
+    """Whether ``M`` rows in one group make fewer 128x256 output tiles of ``N`` columns than ``programs``."""
+    return cdiv(M, 128) * cdiv(N, 256) < programs
+
 
 # On Hopper, 16-bit operands written without accumulation: the Gluon kernel, 1.0-1.3x the best Triton
 # config on every shape measured. 32-row steps in 6 stages win with short groups (many experts), 64-row
@@ -291,7 +309,11 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
                   and not (LaunchInfo.tma_ok(a) and LaunchInfo.tma_ok(b_stored)))
         key = problem_class(a.device, a.dtype, c.dtype, b.stride(1) == 1, info.tma, a.shape[1], b.shape[2],
                             b.shape[0], M=a.shape[0])
-        return info, _RAGGED_M_HOPPER if hopper else _RAGGED_M, key, padded
+        tuner = _RAGGED_M
+        if hopper:
+            few = few_tiles(a.shape[0], b.shape[2], info.num_programs)
+            tuner = _RAGGED_M_HOPPER_FEW_TILES if few else _RAGGED_M_HOPPER
+        return info, tuner, key, padded
 
     info, tuner, key, padded = _RAGGED_M_CLASSES.decide(a, b, c, tma, (), decide)
     if padded:
@@ -445,12 +467,12 @@ def run_ragged_k_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
 def hopper_candidates() -> dict[str, list[GemmConfig]]:
     """The configs each tuner chooses from where the Hopper kernels apply: ``ragged_m``, ``ragged_k``
     (written in the operands' dtype) and ``ragged_k_accumulate`` (fp32 output, or added into)."""
-    return {"ragged_m": list(_RAGGED_M_HOPPER.candidates), "ragged_k": list(_RAGGED_K_HOPPER.candidates),
+    return {"ragged_m": list(_RAGGED_M_HOPPER_FEW_TILES.candidates), "ragged_k": list(_RAGGED_K_HOPPER.candidates),
             "ragged_k_accumulate": list(_RAGGED_K_HOPPER_ACCUMULATE.candidates)}
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """The configuration chosen so far for each problem class, by kernel: for logs and benchmarks."""
     return {tuner.name: {repr(key): str(config) for key, config in tuner.cache.items()}
-            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_K_HOPPER, _RAGGED_K_HOPPER_ACCUMULATE,
-                          *FP8_TUNERS)}
+            for tuner in (_RAGGED_M, _RAGGED_K, _RAGGED_M_HOPPER, _RAGGED_M_HOPPER_FEW_TILES, _RAGGED_K_HOPPER,
+                          _RAGGED_K_HOPPER_ACCUMULATE, *FP8_TUNERS)}
