@@ -2,7 +2,7 @@
 against the tuned product (``tuning.run_ragged_m``) and ``torch._grouped_mm``, forward and input gradient,
 one GPU, each replayed from a CUDA graph (the GPU's time alone).
 
-    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--json out.jsonl]
+    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--tiles 64x256w4 128x256w8] [--json out.jsonl]
 
 For each decode shape and routing: every output checked against torch._grouped_mm's (relative Frobenius
 error), and the time of each method. Split K matters where the tiles are fewer than the multiprocessors
@@ -33,6 +33,8 @@ DEV = torch.device("cuda")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--splits", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--tiles", nargs="+", default=["64x256w4", "128x256w8"],
+                        help="output tiles and warps, BMxBNwW")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = open(args.json, "a") if args.json else None
@@ -59,9 +61,10 @@ def main() -> None:
 
                 methods = {"torch": lambda x=x, w=w, offsets=offsets: torch._grouped_mm(x, w, offsets), "tuned": tuned}
                 for split in args.splits:
-                    for bm in (64, 128):
-                        config = GemmConfig(bm, 256, 64, num_warps=4 if bm == 64 else 8, num_stages=4, split_k=split)
-                        methods[f"{bm}x256/k{split}"] = lambda config=config: split_k(config)
+                    for tile in args.tiles:
+                        bm, bn, warps = (int(v) for v in tile.replace("w", "x").split("x"))
+                        config = GemmConfig(bm, bn, 64, num_warps=warps, num_stages=4, split_k=split)
+                        methods[f"{tile}/k{split}"] = lambda config=config: split_k(config)
                 row = {}
                 for label, fn in methods.items():
                     y = fn()
