@@ -47,3 +47,23 @@ def test_the_default_stays_unless_clearly_beaten(monkeypatch):
     assert _tuner().choose(("k", 5), cuda, 2, 2**40, lambda config: config) == other
     timings.update({default: 0.98, other: 1.0})  # the default is faster
     assert _tuner().choose(("k", 6), cuda, 2, 2**40, lambda config: config) == default
+
+
+def test_a_second_routing_adds_its_time(monkeypatch):
+    """With ``also`` (the same product under another routing), each candidate's time is the sum of both:
+    a config faster on the first call but slow on the other routing loses to one good on both."""
+    import dropless.kernels.autotune as autotune
+
+    timings = {}
+    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: timings[fn()])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
+    cuda = torch.device("cuda")
+    default, other = CANDIDATES
+    timings.update({default: 1.0, other: 0.8, ("also", default): 0.3, ("also", other): 0.9})
+    assert _tuner().choose(("k", 7), cuda, 2, 2**40, lambda config: config) == other
+    assert _tuner().choose(("k", 8), cuda, 2, 2**40, lambda config: config,
+                           lambda config: ("also", config)) == default
+    timings.update({("also", default): 0.9, ("also", other): 0.3})
+    assert _tuner().choose(("k", 9), cuda, 2, 2**40, lambda config: config,
+                           lambda config: ("also", config)) == other

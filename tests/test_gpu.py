@@ -272,8 +272,8 @@ def test_ragged_m_hopper_tile_sequences(config, programs):
 @needs_sm90
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
 def test_split_k_graph_replays_decode_routings(w_layout):
-    """The split-K config captured in a CUDA graph under balanced routing (unsplit: 64 tiles of 64x256) and
-    replayed with every row in one expert (16 tiles: K split 4 ways on the device), a tail of unrouted
+    """The split-K config captured in a CUDA graph under balanced routing (unsplit: 128 tiles of 64x128)
+    and replayed with every row in one expert (32 tiles: K split 4 ways on the device), a tail of unrouted
     rows, and balanced again: each replay's output against the fp64 product, NaN rows past the end."""
     E, M, K, N = 4, 64, 4096, 4096
     w = make_w(E, K, N, torch.bfloat16, DEVICE, w_layout)

@@ -68,8 +68,10 @@ class Autotuner:
         self.cache: dict[tuple, GemmConfig] = {}
 
     def choose(self, key: tuple, device: torch.device, element_size: int, flops: int,
-               run: Callable[[GemmConfig], None]) -> GemmConfig:
-        """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate.
+               run: Callable[[GemmConfig], None], also: Callable[[GemmConfig], None] | None = None) -> GemmConfig:
+        """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate, and with
+        ``also`` (the same product under another routing) the sum of both times, so that the config chosen
+        is the best over both routings, not only the one the class is first called with.
 
         A candidate that does not compile for this problem (too much shared memory for fp32
         operands, a schedule the compiler rejects for this layout) is skipped. Problems of fewer
@@ -94,7 +96,8 @@ class Autotuner:
                 if config in failed:
                     continue
                 try:
-                    median = do_bench(lambda: run(config), warmup=10, rep=25, return_mode="median")
+                    median = sum(do_bench(lambda: call(config), warmup=10, rep=25, return_mode="median")
+                                 for call in (run, also) if call is not None)
                 except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
                     failed[config] = error
                     continue

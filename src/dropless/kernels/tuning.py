@@ -77,15 +77,18 @@ _RAGGED_M_HOPPER = Autotuner(
 
 # On Hopper, products whose rows, all in one group, would make fewer 128x256 tiles than the GPU has
 # multiprocessors (a decode step: a few rows an expert, thousands of K). The routing decides how many
-# tiles there are, and a class is timed on its first call's: a class first timed balanced would keep a
-# config that leaves most multiprocessors idle when every row picks one expert (Mixtral's all-to-one
-# decode rows: 16 tiles, 1.3x torch._grouped_mm's time). The default splits K over up to 4 programs
-# where the tiles are at most half the programs, chosen on the device, and runs unsplit otherwise: in one
-# probe it was 1.1-1.6x faster than the tuned config with all rows in one group and within 2% of it
-# under balanced routing (benchmarks/NOTES.md, v39).
-SPLIT_K = GemmConfig(64, 256, 64, num_warps=4, num_stages=4, split_k=4)
+# tiles there are, and one step's routing says little of the next's: these classes time each candidate
+# on the call's group sizes and with every row in one group, and keep the best over both. Two Triton
+# configs split K over up to 4 programs, chosen on the device where the tiles are at most half the
+# programs (unsplit otherwise). In one probe (benchmarks/NOTES.md, v39) the best over both routings was at
+# or ahead of torch._grouped_mm on every decode row, each routing, on the GPU alone; the 64x128 split
+# config, the default, was 0.97-1.7x the best on Mixtral's rows, the others over 0.9x it but dsv3's
+# all-to-one (0.7-0.8x).
+SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
 _RAGGED_M_HOPPER_FEW_TILES = Autotuner(
-    "ragged_m_hopper_few_tiles", candidates=[SPLIT_K, *_RAGGED_M_HOPPER.candidates], default=SPLIT_K)
+    "ragged_m_hopper_few_tiles",
+    candidates=[SPLIT_K, GemmConfig(64, 256, 64, num_warps=8, num_stages=4, split_k=4), *_RAGGED_M_HOPPER.candidates],
+    default=SPLIT_K)
 
 
 def few_tiles(M: int, N: int, programs: int) -> bool:
@@ -322,19 +325,23 @@ def run_ragged_m(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: tor
         run_into_readable(c, not tail, lambda out: run_ragged_m(a_read, b_read, offsets, out, tma, config, tail))
         return
 
-    def run(config: GemmConfig, out: torch.Tensor = c) -> None:
+    def run(config: GemmConfig, out: torch.Tensor = c, groups: torch.Tensor = offsets) -> None:
         if config.gluon:
             # Imported on first use: the Gluon kernels need Triton 3.6 (hopper_kernels_ok checks).
             from dropless.kernels.ragged_m_hopper import ragged_m_mm_hopper
-            ragged_m_mm_hopper(a, b, offsets, out, config, info.num_programs, tail=tail)
+            ragged_m_mm_hopper(a, b, groups, out, config, info.num_programs, tail=tail)
         else:
-            ragged_m_mm(a, b, offsets, out, config, info, tail)
+            ragged_m_mm(a, b, groups, out, config, info, tail)
 
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[2]
     # An fp32 c of 16-bit operands (out_dtype) needs the small tiles' shared memory too: the epilogue
     # stages a whole fp32 output tile, which beside the default's 4 stages is past the 227 KiB of an SM.
     element_size = max(a.element_size(), c.element_size())
-    config = config or tuner.choose(key, a.device, element_size, flops, lambda cfg: run(cfg, torch.empty_like(c)))
+    also = None
+    if config is None and tuner is _RAGGED_M_HOPPER_FEW_TILES:
+        def also(cfg: GemmConfig) -> None:
+            run(cfg, torch.empty_like(c), torch.full_like(offsets, a.shape[0]))
+    config = config or tuner.choose(key, a.device, element_size, flops, lambda cfg: run(cfg, torch.empty_like(c)), also)
     run(config)
 
 
