@@ -22,8 +22,6 @@ counter back to zero, so the counters (``split_counters``) stay zeroed between l
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -119,14 +117,6 @@ def _ragged_m_kernel(
 _SPLIT_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-@functools.cache
-def _direct_launch():
-    """The kernel's ``DirectLaunch``, made on the first launch on a GPU (the interpreter's kernels have no
-    compiled form)."""
-    from dropless.kernels.direct_launch import DirectLaunch
-    return DirectLaunch(_ragged_m_kernel)
-
-
 def split_counters(device: torch.device, programs: int) -> torch.Tensor:
     """The int32 tile counters ``[programs]`` of split-K launches on ``device`` and its current stream,
     zeroed once: each launch leaves them zeroed (a split launch has at most ``programs // 2`` tiles). One
@@ -172,21 +162,13 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
         counters = split_counters(c.device, programs)
     else:
         partials = counters = offsets
-    args = dict(
-        a=a_arg, b=b_arg, c=c, c_desc=c_desc, offsets_ptr=offsets, partials=partials, counters=counters,
-        M=M, N=N, K=K, E=E, stride_am=a.stride(0), stride_ak=a.stride(1), stride_be=b.stride(0),
-        stride_bk=b.stride(1), stride_bn=b.stride(2), stride_cm=c.stride(0), stride_cn=c.stride(1),
+    _ragged_m_kernel[(num_programs,)](
+        a_arg, b_arg, c, c_desc, offsets, partials, counters,
+        M, N, K, E,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         NUM_PROGRAMS=num_programs, E_POW2=e_pow2,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_NK=b_nk, USE_TMA=use_tma, UPCAST=info.upcast, PRECISION=info.precision(a.dtype),
         FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, TMA_STORE=tma_store, ZERO_TAIL=tail,
         MAX_SPLIT=split, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not c.is_cuda:
-        _ragged_m_kernel[(num_programs,)](**args)
-        return
-    # Everything the launch's specialization depends on, for DirectLaunch's per-call key (the constexprs
-    # and options are keyed by DirectLaunch itself).
-    call_key = ("ragged_m", a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, c.shape, c.stride(),
-                c.dtype, *(t.data_ptr() % 16 for t in (a, b, c, offsets, partials, counters)))
-    _direct_launch()((num_programs,), call_key, **args)
