@@ -70,8 +70,10 @@ class Autotuner:
     def choose(self, key: tuple, device: torch.device, element_size: int, flops: int,
                run: Callable[[GemmConfig], None], also: Callable[[GemmConfig], None] | None = None) -> GemmConfig:
         """The cached config for ``key``; on a miss, time ``run(config)`` for every candidate, and with
-        ``also`` (the same product under another routing) the sum of both times, so that the config chosen
-        is the best over both routings, not only the one the class is first called with.
+        ``also`` (the same product under another routing) add each candidate's two times as fractions of
+        the best candidate's under the same routing: the config chosen is the best over both routings, each
+        counting alike however long its product takes, not only under the routing the class is first
+        called with.
 
         A candidate that does not compile for this problem (too much shared memory for fp32
         operands, a schedule the compiler rejects for this layout) is skipped. Problems of fewer
@@ -87,7 +89,8 @@ class Autotuner:
         if (os.environ.get("DROPLESS_AUTOTUNE", "1") == "0" or flops < MIN_TUNED_FLOPS
                 or getattr(_untimed, "on", False) or torch.cuda.is_current_stream_capturing()):
             return default
-        samples: dict[GemmConfig, list[float]] = {}
+        calls = [run] if also is None else [run, also]
+        samples: dict[GemmConfig, list[list[float]]] = {}
         failed: dict[GemmConfig, Exception] = {}
         # Rounds over all candidates, each keeping the median of its rounds: a clock or neighbour
         # slowdown (or a cool start) during one candidate's turn does not decide the choice.
@@ -96,16 +99,19 @@ class Autotuner:
                 if config in failed:
                     continue
                 try:
-                    median = sum(do_bench(lambda: call(config), warmup=10, rep=25, return_mode="median")
-                                 for call in (run, also) if call is not None)
+                    medians = [do_bench(lambda: call(config), warmup=10, rep=25, return_mode="median")
+                               for call in calls]
                 except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
                     failed[config] = error
                     continue
-                samples.setdefault(config, []).append(median)
+                for times, median in zip(samples.setdefault(config, [[] for _ in calls]), medians):
+                    times.append(median)
         if not samples:
             raise RuntimeError(f"{self.name}: no tile configuration compiled for {key}") from next(
                 iter(failed.values()))
-        timings = {config: statistics.median(times) for config, times in samples.items()}
+        medians = {config: [statistics.median(times) for times in per_call] for config, per_call in samples.items()}
+        fastest = [min(times[i] for times in medians.values()) for i in range(len(calls))]
+        timings = {config: sum(t / f for t, f in zip(times, fastest)) for config, times in medians.items()}
         best = min(timings, key=timings.get)
         if default in timings and timings[best] * (1 + DEFAULT_MARGIN) >= timings[default]:
             best = default
