@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dropless.kernels.autotune import MIN_TUNED_FLOPS, Autotuner
@@ -32,13 +33,19 @@ def test_autotune_off_takes_the_default(monkeypatch):
     assert _tuner().choose(("k", 3), torch.device("cuda"), 2, 2**40, _never) == CANDIDATES[0]
 
 
-def test_the_default_stays_unless_clearly_beaten(monkeypatch):
+@pytest.fixture
+def timings(monkeypatch) -> dict:
+    """Autotuning on, with each timing read from the returned dict by what the timed call returns."""
     import dropless.kernels.autotune as autotune
 
-    timings = {}
-    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: timings[fn()])
+    table = {}
+    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: table[fn()])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
+    return table
+
+
+def test_the_default_stays_unless_clearly_beaten(timings):
     cuda = torch.device("cuda")
     default, other = CANDIDATES
     timings.update({default: 1.0, other: 0.98})  # 2% faster: within the margin
@@ -49,16 +56,10 @@ def test_the_default_stays_unless_clearly_beaten(monkeypatch):
     assert _tuner().choose(("k", 6), cuda, 2, 2**40, lambda config: config) == default
 
 
-def test_a_second_routing_counts_as_much_as_the_first(monkeypatch):
+def test_a_second_routing_counts_as_much_as_the_first(timings):
     """With ``also`` (the same product under another routing), each candidate's times, as fractions of the
     best under the same routing, are added: a config faster on the first call but slow on the other
     routing loses to one good on both, even where the first call's product takes ten times longer."""
-    import dropless.kernels.autotune as autotune
-
-    timings = {}
-    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: timings[fn()])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
     cuda = torch.device("cuda")
     default, other = CANDIDATES
     run, also = (lambda config: config), (lambda config: ("also", config))
