@@ -2,7 +2,7 @@
 against the tuned product (``tuning.run_ragged_m``) and ``torch._grouped_mm``, forward and input gradient,
 one GPU, each replayed from a CUDA graph (the GPU's time alone).
 
-    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--tiles 64x256w4 128x256w8] [--json out.jsonl]
+    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--tiles 64x256w4 128x256w8 64x256w4g] [--json out.jsonl]
 
 For each decode shape and routing: every output checked against torch._grouped_mm's (relative Frobenius
 error), and the time of each method. Split K matters where the tiles are fewer than the multiprocessors
@@ -23,8 +23,6 @@ from dropless.bench.routing import group_sizes
 from dropless.bench.shapes import DECODE_SHAPES
 from dropless.bench.timing import graphed_median_ms
 from dropless.kernels.config import GemmConfig
-from dropless.kernels.launch import launch_info
-from dropless.kernels.ragged_m import ragged_m_mm
 from dropless.kernels.tuning import run_ragged_m
 
 DEV = torch.device("cuda")
@@ -34,11 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--splits", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--tiles", nargs="+", default=["64x256w4", "128x256w8"],
-                        help="output tiles and warps, BMxBNwW")
+                        help="output tiles and warps, BMxBNwW, and a g for the Gluon kernel (BMxBNwWg)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = open(args.json, "a") if args.json else None
-    info = launch_info(DEV)
     print(f"{torch.cuda.get_device_name()}; us, replayed from a CUDA graph", flush=True)
     for shape in DECODE_SHAPES:
         for routing in ("balanced", "all-to-one"):
@@ -56,14 +53,16 @@ def main() -> None:
 
                 def split_k(config, x=x, w=w, offsets=offsets, ref=ref):
                     y = torch.empty_like(ref)
-                    ragged_m_mm(x, w, offsets, y, config, info)
+                    run_ragged_m(x, w, offsets, y, config=config)
                     return y
 
                 methods = {"torch": lambda x=x, w=w, offsets=offsets: torch._grouped_mm(x, w, offsets), "tuned": tuned}
                 for split in args.splits:
                     for tile in args.tiles:
-                        bm, bn, warps = (int(v) for v in tile.replace("w", "x").split("x"))
-                        config = GemmConfig(bm, bn, 64, num_warps=warps, num_stages=4, split_k=split)
+                        gluon = tile.endswith("g")
+                        bm, bn, warps = (int(v) for v in tile.rstrip("g").replace("w", "x").split("x"))
+                        stages = 3 if gluon and bm == 128 else 4
+                        config = GemmConfig(bm, bn, 64, num_warps=warps, num_stages=stages, gluon=gluon, split_k=split)
                         methods[f"{tile}/k{split}"] = lambda config=config: split_k(config)
                 row = {}
                 for label, fn in methods.items():
