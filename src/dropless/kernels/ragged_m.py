@@ -122,7 +122,7 @@ def split_counters(device: torch.device, programs: int) -> torch.Tensor:
     zeroed once: each launch leaves them zeroed (a split launch has at most ``programs // 2`` tiles). One
     set a stream, so launches on two streams never share one; kept for the life of the process, so a CUDA
     graph that captured a launch reads the same counters at every replay."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device, stream, programs)
     counters = _SPLIT_COUNTERS.get(key)
     if counters is None:
