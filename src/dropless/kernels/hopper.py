@@ -60,6 +60,11 @@ def scan_max(a, b):
     return gl.maximum(a, b)
 
 
+@gluon.jit
+def scan_add(a, b):
+    return a + b
+
+
 @gluon.constexpr_function
 def group_layout(E_POW2, WARPS, REPLICATED):
     """The layout of ``[E_POW2]`` group vectors: spread over WARPS warps, or (REPLICATED) held whole by

@@ -24,15 +24,15 @@ Rowwise (one scale per group and column) hands out strips instead, a group's row
 program reads a strip's tiles twice, for their column amaxes and then for their values, the second time
 mostly from L2 where the strips running together fit in it, in one launch with no amax buffer. A strip's
 work is its group's row count, so with skewed routing one group's strips can be several times the
-rest. Where the loads are TMA's, work is drawn instead (``ragged_k_hopper``'s by-work schedule): a
-scheduler warp draws items one at a time from a counter that all programs share, large groups' first,
-and queues each for the loader and the compute warps, so a program that drew a long item draws no more
-until it is done and short ones fill the gaps at the end. An item is a strip, or, for a strip longer than
+rest. Where the loads are TMA's and the groups more than ``STATIC_MAX_GROUPS``, work is drawn instead
+(``ragged_k_hopper``'s by-work schedule): a scheduler warp draws items one at a time from a counter that
+all programs share, large groups' first, and queues each for the loader and the compute warps, so a
+program that drew a long item draws no more until it is done and short ones fill the gaps at the end. An item is a strip, or, for a strip longer than
 ``chunk_rows``, one of its chunks of equal rows: each chunk's program adds its partial amaxes into the
 strip's (a zeroed int32 buffer) and waits on the strip's counter for its siblings' before it quantizes
-(``_chunks_amax``, ``_strip_scheduler`` for why the wait ends). Rows read by index keep every
-``num_programs``-th strip in group order, whole: their two programs a multiprocessor leave no registers
-for a scheduler warp.
+(``_chunks_amax``, ``_strip_scheduler`` for why the wait ends). Rows read by index, and strips of a few
+groups, keep every ``num_programs``-th strip in group order, whole, two programs a multiprocessor: those
+leave no registers for a scheduler warp, and with few groups a counter has no imbalance to win back.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from dropless.kernels.hopper import (
     pick,
     post_item,
     release,
+    scan_add,
     stage_barriers,
     take_item,
 )
@@ -161,14 +162,9 @@ def _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK: gl.constexpr
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
 def _prefix(values):
     """An int vector's exclusive prefix sum and its total."""
-    return gl.associative_scan(values, 0, _add) - values, gl.sum(values, axis=0)
+    return gl.associative_scan(values, 0, scan_add) - values, gl.sum(values, axis=0)
 
 
 @gluon.jit

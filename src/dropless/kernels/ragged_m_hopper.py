@@ -33,17 +33,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.hopper import SHARED_MEMORY_BYTES, descriptor, group_bounds, pick, raster, release, stage_barriers
+from dropless.kernels.hopper import (SHARED_MEMORY_BYTES, descriptor, group_bounds, pick, raster, release, scan_add,
+                                    stage_barriers)
 from dropless.kernels.launch import cdiv, next_power_of_2, weight_nk
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
 # it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
 LOADER_WARPS: gl.constexpr = gl.constexpr(4)
-
-
-@gluon.jit
-def _scan_add(a, b):
-    return a + b
 
 
 @gluon.jit
@@ -53,7 +49,7 @@ def _group_table(offsets_ptr, E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
     tail) and the running total of their tiles, as ``[E_POW2]`` vectors."""
     starts, ends = group_bounds(offsets_ptr, E, M, E_POW2, WARPS)
     tiles = gl.cdiv(ends - starts, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-    return starts, ends, tiles, gl.associative_scan(tiles, 0, _scan_add)
+    return starts, ends, tiles, gl.associative_scan(tiles, 0, scan_add)
 
 
 @gluon.jit
