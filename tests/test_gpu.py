@@ -270,11 +270,13 @@ def test_ragged_m_hopper_tile_sequences(config, programs):
 
 
 @needs_sm90
+@pytest.mark.parametrize("config", [c for c in hopper_candidates()["ragged_m"] if c.split_k > 1], ids=str)
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
-def test_split_k_graph_replays_decode_routings(w_layout):
-    """The split-K config captured in a CUDA graph under balanced routing (unsplit: 128 tiles of 64x128)
-    and replayed with every row in one expert (32 tiles: K split 4 ways on the device), a tail of unrouted
-    rows, and balanced again: each replay's output against the fp64 product, NaN rows past the end."""
+def test_split_k_graph_replays_decode_routings(w_layout, config):
+    """A split-K config captured in a CUDA graph under balanced routing (64x128 tiles: 128, unsplit) and
+    replayed with every row in one expert (fewer tiles: K split up to 4 ways on the device), a tail of
+    unrouted rows, and balanced again: each replay's output against the fp64 product, NaN rows past the
+    end."""
     E, M, K, N = 4, 64, 4096, 4096
     w = make_w(E, K, N, torch.bfloat16, DEVICE, w_layout)
     static_x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
@@ -283,11 +285,11 @@ def test_split_k_graph_replays_decode_routings(w_layout):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        run_ragged_m(static_x, w, static_offsets, static_y, config=tuning.SPLIT_K)
+        run_ragged_m(static_x, w, static_offsets, static_y, config=config)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_ragged_m(static_x, w, static_offsets, static_y, config=tuning.SPLIT_K)
+        run_ragged_m(static_x, w, static_offsets, static_y, config=config)
     for sizes in ([0, 64, 0, 0], [0, 0, 0, 27], [16, 16, 16, 16], [64, 0, 0, 0]):
         x, _ = _rows_past_end_poisoned(M, K, N, sizes, torch.bfloat16)
         static_x.copy_(x)
