@@ -39,7 +39,7 @@ def timings(monkeypatch) -> dict:
     import dropless.kernels.autotune as autotune
 
     table = {}
-    monkeypatch.setattr(autotune, "do_bench", lambda fn, **kw: table[fn()])
+    monkeypatch.setattr(autotune, "gpu_time_ms", lambda fn, device: table[fn()])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("DROPLESS_AUTOTUNE", "1")
     return table
@@ -72,3 +72,24 @@ def test_a_second_routing_counts_as_much_as_the_first(timings):
     # take the other config (10.7 against 11.0).
     timings.update({default: 10.0, other: 9.5, ("also", default): 1.0, ("also", other): 1.2})
     assert _tuner().choose(("k", 10), cuda, 2, 2**40, run, also) == default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_time_leaves_out_the_host():
+    """A call whose host spends 400 us before launching a ~50 us kernel times as its kernel: a back-to-back
+    timing would read the host's 400."""
+    import time
+
+    from dropless.kernels.autotune import _cycles_per_us, gpu_time_ms
+
+    device = torch.device("cuda")
+    kernel_us = 50.0
+    cycles = int(kernel_us * _cycles_per_us(device))
+
+    def slow_host() -> None:
+        time.sleep(400e-6)
+        torch.cuda._sleep(cycles)
+
+    ms = gpu_time_ms(slow_host, device)
+    assert 0.8 * kernel_us <= 1e3 * ms <= 2.0 * kernel_us, ms

@@ -6,7 +6,8 @@ while a CUDA graph is being captured: a class first seen under capture takes the
 Each candidate is timed in three interleaved rounds and keeps the median of its three medians (a
 GPU that starts cool runs its first timings at higher clocks than it holds under load, so the best
 round would favour whichever candidate ran first); the default config stays unless another candidate
-is more than 3% faster. Set ``DROPLESS_AUTOTUNE=0`` to always take the default; launches made inside
+is more than 3% faster. A timing is the GPU's time alone (``gpu_time_ms``): in a training step the host
+runs ahead of the GPU, so a config that launches more slowly but computes faster is the better one. Set ``DROPLESS_AUTOTUNE=0`` to always take the default; launches made inside
 ``untimed()`` (from a running XLA computation, where a timing would stall it) take it too.
 """
 
@@ -16,10 +17,10 @@ import contextlib
 import os
 import statistics
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
-from triton.testing import do_bench
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import interpreting, next_power_of_2
@@ -29,6 +30,59 @@ MIN_TUNED_FLOPS = 2**30
 TUNING_ROUNDS = 3
 DEFAULT_MARGIN = 0.03  # another config must beat the default by this fraction to replace it
 _untimed = threading.local()
+FLUSH_BYTES = 256 << 20  # written before each timed run, so that no operand is still in the L2 cache
+TIMING_BUDGET_MS = 25.0
+MAX_TIMED_RUNS = 50
+_sleep_cycles_per_us: dict[int, float] = {}
+
+
+def _cycles_per_us(device: torch.device) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` a microsecond on ``device``, measured once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sleep_cycles_per_us:
+        cycles = 2_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_us[index] = cycles / (1e3 * start.elapsed_time(end))
+    return _sleep_cycles_per_us[index]
+
+
+def gpu_time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The median GPU time of ``fn()`` in milliseconds, without its host's launch cost.
+
+    Each run follows a write of ``FLUSH_BYTES`` (a cold L2 cache) and a device-side sleep three times as
+    long as the host takes to launch ``fn``, so the run's kernels are queued before the GPU reaches them
+    and the events around them read the GPU's time only. Runs: as many as fit ``TIMING_BUDGET_MS``,
+    3 to ``MAX_TIMED_RUNS``.
+    """
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        host_us = 1e6 * (time.perf_counter() - began)
+        sleep_cycles = int(3 * (host_us + 20.0) * _cycles_per_us(device))
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+
+        def timed(runs: int) -> list[float]:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(runs)]
+            for start, end in events:
+                flush.zero_()
+                torch.cuda._sleep(sleep_cycles)
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) for start, end in events]
+
+        estimate = max(statistics.median(timed(3)), 1e-3)
+        runs = max(3, min(MAX_TIMED_RUNS, int(TIMING_BUDGET_MS / estimate)))
+        return statistics.median(timed(runs))
 
 
 @contextlib.contextmanager
@@ -99,8 +153,7 @@ class Autotuner:
                 if config in failed:
                     continue
                 try:
-                    medians = [do_bench(lambda: call(config), warmup=10, rep=25, return_mode="median")
-                               for call in calls]
+                    medians = [gpu_time_ms(lambda: call(config), device) for call in calls]
                 except Exception as error:  # noqa: BLE001 - a config this problem cannot compile
                     failed[config] = error
                     continue
