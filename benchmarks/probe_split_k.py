@@ -2,7 +2,7 @@
 against the tuned product (``tuning.run_ragged_m``) and ``torch._grouped_mm``, forward and input gradient,
 one GPU, each replayed from a CUDA graph (the GPU's time alone).
 
-    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--tiles 64x256w4 128x256w8 64x256w4g] [--json out.jsonl]
+    PYTHONPATH=src python benchmarks/probe_split_k.py [--splits 1 4 8] [--tiles 64x256w4 128x256w8 64x128w4s6g] [--json out.jsonl]
 
 For each decode shape and routing: every output checked against torch._grouped_mm's (relative Frobenius
 error), and the time of each method. Split K matters where the tiles are fewer than the multiprocessors
@@ -32,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--splits", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--tiles", nargs="+", default=["64x256w4", "128x256w8"],
-                        help="output tiles and warps, BMxBNwW, and a g for the Gluon kernel (BMxBNwWg)")
+                        help="output tiles and warps, BMxBNwW, then sS for S stages and a g for the Gluon kernel (64x128w4s6g)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = open(args.json, "a") if args.json else None
@@ -60,8 +60,9 @@ def main() -> None:
                 for split in args.splits:
                     for tile in args.tiles:
                         gluon = tile.endswith("g")
-                        bm, bn, warps = (int(v) for v in tile.rstrip("g").replace("w", "x").split("x"))
-                        stages = 3 if gluon and bm == 128 else 4
+                        shape_warps, _, stages = tile.rstrip("g").partition("s")
+                        bm, bn, warps = (int(v) for v in shape_warps.replace("w", "x").split("x"))
+                        stages = int(stages) if stages else 3 if gluon and bm == 128 else 4
                         config = GemmConfig(bm, bn, 64, num_warps=warps, num_stages=stages, gluon=gluon, split_k=split)
                         methods[f"{tile}/k{split}"] = lambda config=config: split_k(config)
                 row = {}
