@@ -316,7 +316,7 @@ def test_decode_classes_take_split_k(monkeypatch):
         tuners = {decided[1] for signature, decided in tuning._RAGGED_M_CLASSES.items() if signature[0] == x.shape}
         expected = tuning._RAGGED_M_HOPPER_FEW_TILES if few else tuning._RAGGED_M_HOPPER
         assert tuners == {expected}
-    assert tuning._RAGGED_M_HOPPER_FEW_TILES.default == tuning.SPLIT_K
+    assert tuning._RAGGED_M_HOPPER_FEW_TILES.default == tuning.SPLIT_K and tuning.SPLIT_K.gluon
 
 
 @needs_sm90

@@ -78,20 +78,21 @@ _RAGGED_M_HOPPER = Autotuner(
 # On Hopper, products whose rows, all in one group, would make fewer 128x256 tiles than the GPU has
 # multiprocessors (a decode step: a few rows an expert, thousands of K). The routing decides how many
 # tiles there are, and one step's routing says little of the next's: these classes time each candidate
-# on the call's group sizes and with every row in one group, and keep the best over both. Four configs
-# (two Triton, two Gluon) split K over up to 4 programs, chosen on the device where the tiles are at most
-# half the programs (unsplit otherwise). In one probe (benchmarks/NOTES.md, v39) the 64x128 split config, the
-# default, was within 5% of the best config on each of Mixtral's decode rows and 0.66-0.69x it on dsv3's
-# all-to-one rows, where 64x256 tiles lead; the tuner's choice was at or ahead of torch._grouped_mm on 21
-# of the 24 decode passes, on the GPU alone.
-SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
+# on the call's group sizes and with every row in one group, and keep the best over both. Five configs
+# split K over up to 4 programs, chosen on the device where the tiles are at most half the programs
+# (unsplit otherwise). In one probe (benchmarks/NOTES.md, v40) the Gluon 64x128 split config on 6 stages,
+# the default, was the best or within 3% of it on 19 of the 24 decode passes and on every balanced one;
+# on dsv3's all-to-one passes 64x256 and 128x256 tiles lead (up to 1.27x). The Triton 64x128 split config
+# is the untimed default for an fp32 output (out_dtype).
+SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=6, gluon=True, split_k=4)
+TRITON_SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
 _RAGGED_M_HOPPER_FEW_TILES = Autotuner(
     "ragged_m_hopper_few_tiles",
-    candidates=[SPLIT_K, GemmConfig(64, 256, 64, num_warps=8, num_stages=4, split_k=4),
+    candidates=[SPLIT_K, TRITON_SPLIT_K, GemmConfig(64, 256, 64, num_warps=8, num_stages=4, split_k=4),
                 GemmConfig(64, 256, 64, num_warps=4, num_stages=4, gluon=True, split_k=4),
                 GemmConfig(128, 256, 64, num_warps=8, num_stages=3, gluon=True, split_k=4),
                 *_RAGGED_M_HOPPER.candidates],
-    default=SPLIT_K)
+    default=SPLIT_K, small_default=TRITON_SPLIT_K)
 
 
 def few_tiles(M: int, N: int, programs: int) -> bool:
