@@ -81,9 +81,10 @@ _RAGGED_M_HOPPER = Autotuner(
 # on the call's group sizes and with every row in one group, and keep the best over both. Five configs
 # split K over up to 4 programs, chosen on the device where the tiles are at most half the programs
 # (unsplit otherwise). In one probe (benchmarks/NOTES.md, v40) the Gluon 64x128 split config on 6 stages,
-# the default, was the best or within 3% of it on 19 of the 24 decode passes and on every balanced one;
-# on dsv3's all-to-one passes 64x256 and 128x256 tiles lead (up to 1.27x). The Triton 64x128 split config
-# is the untimed default for an fp32 output (out_dtype).
+# the default, was the best or within 3% of it on 19 of the 24 decode passes, every balanced one among
+# them; on three of dsv3's all-to-one passes and two of qwen3-down's, 64x256 and 128x256 tiles lead (by up
+# to 1.27x). With the tuner's choice every pass was 1.01-1.54x torch._grouped_mm, on the GPU alone. The
+# Triton 64x128 split config is the untimed default for an fp32 output (out_dtype).
 SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=6, gluon=True, split_k=4)
 TRITON_SPLIT_K = GemmConfig(64, 128, 64, num_warps=4, num_stages=4, split_k=4)
 _RAGGED_M_HOPPER_FEW_TILES = Autotuner(
