@@ -7,8 +7,9 @@ Each candidate is timed in three interleaved rounds and keeps the median of its 
 GPU that starts cool runs its first timings at higher clocks than it holds under load, so the best
 round would favour whichever candidate ran first); the default config stays unless another candidate
 is more than 3% faster. A timing is the GPU's time alone (``gpu_time_ms``): in a training step the host
-runs ahead of the GPU, so a config that launches more slowly but computes faster is the better one. Set ``DROPLESS_AUTOTUNE=0`` to always take the default; launches made inside
-``untimed()`` (from a running XLA computation, where a timing would stall it) take it too.
+runs ahead of the GPU, so a config that launches more slowly but computes faster is the better one.
+Set ``DROPLESS_AUTOTUNE=0`` to always take the default; launches made inside ``untimed()`` (from a
+running XLA computation, where a timing would stall it) take it too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _untimed = threading.local()
 FLUSH_BYTES = 256 << 20  # written before each timed run, so that no operand is still in the L2 cache
 TIMING_BUDGET_MS = 25.0
 MAX_TIMED_RUNS = 50
+MAX_SLEEP_US = 3000.0  # the sleep before a run, at most (a launch slowed by something else once)
 _sleep_cycles_per_us: dict[int, float] = {}
 
 
@@ -55,9 +57,9 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """The median GPU time of ``fn()`` in milliseconds, without its host's launch cost.
 
     Each run follows a write of ``FLUSH_BYTES`` (a cold L2 cache) and a device-side sleep three times as
-    long as the host takes to launch ``fn``, so the run's kernels are queued before the GPU reaches them
-    and the events around them read the GPU's time only. Runs: as many as fit ``TIMING_BUDGET_MS``,
-    3 to ``MAX_TIMED_RUNS``.
+    long as the host takes to launch ``fn`` (at most ``MAX_SLEEP_US``), so the run's kernels are queued
+    before the GPU reaches them and the events around them read the GPU's time only. Runs: as many as fit
+    ``TIMING_BUDGET_MS``, 3 to ``MAX_TIMED_RUNS``.
     """
     with torch.cuda.device(device):
         fn()
@@ -65,7 +67,7 @@ def gpu_time_ms(fn: Callable[[], object], device: torch.device) -> float:
         began = time.perf_counter()
         fn()
         host_us = 1e6 * (time.perf_counter() - began)
-        sleep_cycles = int(3 * (host_us + 20.0) * _cycles_per_us(device))
+        sleep_cycles = int(min(3 * (host_us + 20.0), MAX_SLEEP_US) * _cycles_per_us(device))
         flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
 
         def timed(runs: int) -> list[float]:
