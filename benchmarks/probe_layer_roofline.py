@@ -1,0 +1,141 @@
+"""The MoE layer's fwd+bwd step against its floor, from ceilings measured in the same run (issue 20's layer bars).
+
+    PYTHONPATH=src python benchmarks/probe_layer_roofline.py [--configs mixtral qwen3 dsv2lite] [--json PATH]
+
+Ceilings, measured here: the dense GEMM of the layer's expert FLOPs (``bench moe``'s ``Dense`` step, whose
+time is the bar's denominator) and the HBM bandwidth of a 2 GiB copy (bytes read + written over time).
+
+The floor of the layer's step: its expert GEMMs at the dense step's rate (the dense step's time), the
+router's GEMMs at the same rate, plus the bytes its other passes must move at the copy's bandwidth, each
+tensor read or written once (``floor_bytes``). The ratio the floor allows, dense / floor, is the most any
+implementation with these passes unfused can reach; a bar above it needs fusions that remove passes.
+
+Prints, per layer: the measured step and dense step (their ratio is the bar's number), the step's kernel
+time by kind from ``torch.profiler`` (expert GEMMs, other GEMMs, the rest), the floor's parts and the ratio
+it allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dropless.bench.moe import Dense, _step
+from dropless.bench.moe_layers import LayerConfig, build_dropless, make_weights, select_configs
+
+DEV = torch.device("cuda")
+EXPERT_GEMMS = ("ragged_m", "ragged_k")
+OTHER_GEMMS = ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "matmul")
+
+
+def floor_bytes(cfg: LayerConfig, element: int = 2) -> dict[str, int]:
+    """Bytes each pass outside the expert GEMMs must move at least, forward and backward (16-bit
+    activations, fp32 router logits): T tokens of width d, R = T*k routed rows, expert width f, shared
+    width s."""
+    T, d, f, s, E = cfg.T, cfg.d, cfg.d_ff, cfg.shared_d_ff, cfg.E
+    R = T * cfg.k
+    tokens, rows = T * d * element, R * d * element
+    gate_up, act = R * 2 * f * element, R * f * element
+    shared_gate_up, shared_act = T * 2 * s * element, T * s * element
+    return {
+        "router fwd (x read, logits written)": tokens + T * E * 4,
+        "permute fwd (x read, sorted rows written)": tokens + rows,
+        "activation fwd (h read, a written)": gate_up + act,
+        "combine fwd (expert rows read, y written)": rows + tokens,
+        "shared activation fwd": shared_gate_up + shared_act,
+        "shared add fwd": 3 * tokens if s else 0,
+        "combine bwd (dy read, expert rows read, their gradient written)": tokens + 2 * rows,
+        "activation bwd (h and da read, dh written)": 2 * gate_up + act,
+        "shared activation bwd": 2 * shared_gate_up + shared_act,
+        "permute bwd (sorted rows' gradient read, dx written)": rows + tokens,
+        "router bwd (x read, dlogits read)": tokens + T * E * 4,
+    }
+
+
+def events_ms(fn: Callable[[], object], runs: int = 10, warmup: int = 3) -> float:
+    """Mean time of ``fn`` over ``runs`` back-to-back calls after ``warmup``, from CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / runs
+
+
+def copy_gbps() -> float:
+    """HBM bandwidth of a 2 GiB device copy, bytes read + written a second, in GB/s."""
+    src = torch.empty(2**30, dtype=torch.int16, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), runs=20)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def kernel_ms(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
+    """GPU kernel time a step by kind: expert GEMMs, other GEMMs, and the rest."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kinds = {"expert GEMMs": 0.0, "other GEMMs": 0.0, "other kernels": 0.0}
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        name = event.name.lower()
+        kind = ("expert GEMMs" if any(k in name for k in EXPERT_GEMMS)
+                else "other GEMMs" if any(k in name for k in OTHER_GEMMS) else "other kernels")
+        kinds[kind] += event.device_time / 1e3 / steps
+    return kinds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", nargs="+", default=["mixtral", "qwen3", "dsv2lite"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gbps = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}; copy {gbps:.0f} GB/s")
+    rows = []
+    for cfg in select_configs(args.configs, quick=False):
+        w = make_weights(cfg, torch.bfloat16, DEV)
+        dense = Dense(cfg, w)
+        dense_ms = events_ms(dense.step)
+        x = w.x.detach().requires_grad_()
+        step = _step(build_dropless(cfg, w), x, w.dy)
+        step_ms = events_ms(step)
+        kinds = kernel_ms(step)
+        parts = floor_bytes(cfg)
+        memory_ms = sum(parts.values()) / (gbps * 1e9) * 1e3
+        router_ms = dense_ms * (3 * 2 * cfg.T * cfg.d * cfg.E) / dense.flops
+        floor_ms = dense_ms + router_ms + memory_ms
+        row = dict(config=cfg.name, step_ms=step_ms, dense_ms=dense_ms, of_dense=dense_ms / step_ms,
+                   dense_tflops=dense.flops / dense_ms / 1e9, copy_gbps=gbps, kernels_ms=kinds,
+                   floor_bytes=parts, floor_memory_ms=memory_ms, floor_router_ms=router_ms, floor_ms=floor_ms,
+                   floor_of_dense=dense_ms / floor_ms)
+        rows.append(row)
+        print(f"\n{cfg.name}: step {step_ms:.2f} ms, dense {dense_ms:.2f} ms ({row['dense_tflops']:.0f} TFLOP/s): "
+              f"{row['of_dense']:.3f} of dense")
+        print("  kernels a step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in kinds.items())
+              + f" (sum {sum(kinds.values()):.2f})")
+        print(f"  floor {floor_ms:.2f} ms = GEMMs at the dense rate {dense_ms:.2f} + router {router_ms:.2f} "
+              f"+ {sum(parts.values()) / 1e9:.2f} GB at {gbps:.0f} GB/s {memory_ms:.2f}: "
+              f"allows {row['floor_of_dense']:.3f} of dense")
+        for name, nbytes in parts.items():
+            if nbytes:
+                print(f"    {nbytes / 1e6:8.0f} MB  {name}")
+        del step, dense, w, x
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
