@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dropless.bench.moe import Dense, _step
 from dropless.bench.moe_layers import LayerConfig, build_dropless, make_weights, select_configs
+from dropless.bench.timing import back_to_back_ms
 
 DEV = torch.device("cuda")
 EXPERT_GEMMS = ("ragged_m", "ragged_k")
@@ -61,13 +62,7 @@ def events_ms(fn: Callable[[], object], runs: int = 10, warmup: int = 3) -> floa
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
+    return back_to_back_ms(fn, runs)
 
 
 def copy_gbps() -> float:

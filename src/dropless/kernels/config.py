@@ -25,7 +25,7 @@ class GemmConfig:
     tma_store: bool = False  # write output tiles through TMA where the layout allows
     programs_per_sm: int = 1  # 2: one program's epilogue overlaps the other's main loop
     gluon: bool = False  # the Hopper warp-specialized Gluon kernel (loader warp, asynchronous TMA stores)
-    split_k: int = 1  # ragged-M, Triton: split K over up to this many programs where tiles are few
+    split_k: int = 1  # ragged-M: split K over up to this many programs where tiles are few
 
     def __str__(self) -> str:
         extra = "".join(tag for tag, on in (("/flat", self.flatten), ("/ws", self.warp_specialize),
