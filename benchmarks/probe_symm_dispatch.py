@@ -2,13 +2,16 @@
 
 DeepEP's setting and Mixtral's (as ``bench ep``), balanced routing, bf16: dispatch + combine timed eagerly
 (host launches included) and replayed from a CUDA graph (the GPU's time alone), and rank 0's profile of
-the eager calls (kernels by GPU time, the host's time).
+the eager calls (kernels by GPU time, the host's time). ``--blocks BYTES:WARPS:ROWS ...`` also replays
+dispatch + combine with the exchange kernels' blocks set to each (bytes of a row a program moves per step,
+warps, rows per program).
 
-    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py
+    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 2048:4:4 4096:8:4]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from dropless.bench import ep_exchange
 from dropless.bench.routing import draw_topk
 from dropless.bench.timing import back_to_back_ms
+from dropless.kernels import exchange
 from dropless.parallel import combine, dispatch
 
 
@@ -28,7 +32,21 @@ def _time(fn, n: int = 20) -> float:
     return back_to_back_ms(fn, n)
 
 
+def _with_blocks(spec: str, fn) -> float:
+    """Graph-replayed ms of ``fn`` with the exchange kernels' blocks set by ``spec`` (BYTES:WARPS:ROWS)."""
+    saved = exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m
+    nbytes, warps, rows = (int(v) for v in spec.split(":"))
+    exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m = nbytes, warps, lambda: rows
+    try:
+        return _time(ep_exchange.graphed(fn))
+    finally:
+        exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m = saved
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", nargs="*", default=[])
+    args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -54,11 +72,14 @@ def main() -> None:
             graphed = _time(ep_exchange.graphed(both))
             graphed_d = _time(ep_exchange.graphed(dispatch_only))
             graphed_c = _time(ep_exchange.graphed(lambda: combine(rows, handle)))
+            variants = {spec: _with_blocks(spec, both) for spec in args.blocks}
         copies = int(sizes.sum())
         mb = copies * d * 2 / 1e6
         line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); eager dispatch {eager_d:.3f} ms, "
                 f"combine {eager_c:.3f} ms, both {eager:.3f} ms; graph both {graphed:.3f} ms, "
                 f"dispatch {graphed_d:.3f} ms, combine {graphed_c:.3f} ms")
+        if variants:
+            line += "; blocks " + ", ".join(f"{spec} {ms:.3f} ms" for spec, ms in variants.items())
         outs = [None] * world
         dist.all_gather_object(outs, line)
         if rank == 0:

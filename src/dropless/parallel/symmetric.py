@@ -9,12 +9,12 @@ of 8.
 - dispatch: each rank publishes its tokens ``[T, d]``, its copies in expert-sorted order
   (``sort_by_expert``: their slots, and each copy's place among the tokens it sends to the copy's rank),
   for each rank the list of tokens it sends there, and its counts. Each rank reads the table of counts,
-  pulls each source's tokens for it once into a staging region (source-major), and lays the copies out
-  from there (by local expert, each expert's rows in source-rank then sorted order: the layout of the
-  "nccl" backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
+  then pulls each token it gets from a source once and writes it to each of that token's copies' rows
+  (by local expert, each expert's rows in source-rank then sorted order: the layout of the "nccl"
+  backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
   ``sum(group_sizes)`` hold them, the rest is left as it was (nothing waits to learn the count).
 - combine: each expert rank sums the weighted outputs of each token's copies it holds (fp32, rounded
-  to y's dtype once) and pushes that one row to the token's rank, which sums the rows from the ranks
+  to y's dtype once) and stores that one row in the token's rank's buffer (one kernel), which sums the rows from the ranks
   (fp32, in rank order). With bf16 rows this rounds each rank's partial sum once more than summing all k
   copies at the source would.
 - the backward passes are the same moves the other way: dispatch's backward sums each token's copies'
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dropless.kernels.exchange import pull_rows, push_rows
+from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
 from dropless.kernels.permute import unpermute_rows
 from dropless.ops.checks import validation_enabled
 from dropless.ops.permute import sort_by_expert
@@ -51,8 +51,8 @@ _FACTS = 3  # after the counts: the ids outside [0, E), the rows' dtype code, th
 @dataclass(frozen=True)
 class _Layout:
     """Byte offsets of the regions of a workspace for ``world`` ranks of up to ``tokens`` tokens of
-    ``copies`` slots each: published rows of up to ``token_bytes`` a token, rows sent back of up to
-    ``copy_bytes``, a ``table`` of int32s."""
+    ``copies`` slots each: published rows of up to ``token_bytes`` a token, rows sent back (one per
+    token and rank) of up to ``copy_bytes``, a ``table`` of int32s."""
 
     world: int
     tokens: int
@@ -62,11 +62,10 @@ class _Layout:
     copy_bytes: int
 
     def offsets(self) -> dict[str, int]:
-        pairs = self.world * self.tokens  # (token, rank) pairs: the most rows a rank stages or gets back
+        pairs = self.world * self.tokens  # (token, rank) pairs: the most rows a rank gets back
         sizes = {"table": 4 * self.table, "slots": 4 * self.copies, "unique": 4 * self.copies,
                  "lists": 8 * pairs, "weights": 4 * self.copies, "dots": 4 * self.copies,
-                 "tokens": self.tokens * self.token_bytes, "stage": pairs * self.token_bytes,
-                 "rows": pairs * self.copy_bytes}
+                 "tokens": self.tokens * self.token_bytes, "rows": pairs * self.copy_bytes}
         out, at = {}, 0
         for name, size in sizes.items():
             out[name] = at
@@ -127,10 +126,11 @@ class SymmetricHandle:
     and ``from_ranks`` int32 ``[T*P]``: at ``t*P + r``, where rank r's row for token t lands when rows
     come back (``t*P + r`` if t sent copies to r, else past the end).
     Expert side, per received copy (``[R]``): ``src_rank`` (-1 past the ``received`` count ``[1]``),
-    ``src_pos`` (its place in the source's sorted copies), ``stage_row`` (its token's staged row),
-    ``row_weight`` (fp32), and ``inverse`` ``[U*k]``: the copy of each (staged row, slot j), R if none;
-    per staged row (``[U]``): ``stage_src`` (-1 past the ``staged`` count ``[1]``) and ``stage_token``
-    (its token at the source).
+    ``src_pos`` (its place in the source's sorted copies) and ``row_weight`` (fp32). Per token pulled
+    from a source (``[U]``, source-major; the ``staged`` count ``[1]``): ``stage_src`` (-1 past the
+    count), ``stage_token`` (its token at the source), ``back_row`` (where its sum lands at the source:
+    ``stage_token * P + rank``), and ``inverse`` ``[U, k]``: the copy of each (pulled token, slot j), R
+    if none.
     """
 
     group: dist.ProcessGroup | None
@@ -146,11 +146,11 @@ class SymmetricHandle:
     src_rank: torch.Tensor
     src_pos: torch.Tensor
     received: torch.Tensor
-    stage_row: torch.Tensor
     row_weight: torch.Tensor
     inverse: torch.Tensor
     stage_src: torch.Tensor
     stage_token: torch.Tensor
+    back_row: torch.Tensor
     staged: torch.Tensor
 
     @property
@@ -292,30 +292,26 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     pull_rows(ws.peers(at["slots"]), src_rank, src_pos, received, slot_of)
     pull_rows(ws.peers(at["weights"]), src_rank, slot_of.view(-1), received, row_weight)
     from_each = table[:, num_experts + _FACTS + rank].long()
-    stage_row = ((from_each.cumsum(0) - from_each)[src_rank.clamp(min=0).long()] + unique_of.view(-1)).to(torch.int32)
-    here = torch.where(src_rank >= 0, rank, -1).to(torch.int32)
+    stage_row = (from_each.cumsum(0) - from_each)[src_rank.clamp(min=0).long()] + unique_of.view(-1)
+    # Each (pulled token, slot j)'s copy; rows past the count land past the end, each in a place of its own.
+    copy = torch.arange(R, device=device)
+    key = torch.where(copy < received, stage_row * k + slot_of.view(-1) % k, U * k + copy)
+    inverse = torch.full((U * k + R,), R, dtype=torch.int32, device=device).scatter_(
+        0, key, copy.to(torch.int32))[:U * k].view(U, k)
     stage_token = torch.empty(U, dtype=torch.int32, device=device)
     out = []
     for n, (t, w, part) in enumerate(zip(published, words, parts)):
-        stage = ws.view(at["stage"] + part * U, (U, w.shape[1]), w.dtype)
-        if n == 0:
-            pull_rows(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_place, staged, stage,
-                      slot_peers=ws.peers(at["lists"] + 4 * rank * max_tokens), slot_out=stage_token)
-        else:
-            pull_rows(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_token, staged, stage)
         rows = torch.empty((R, w.shape[1]), dtype=w.dtype, device=device)
-        pull_rows(ws.peers(at["stage"] + part * U), here, stage_row, received, rows)
+        if n == 0:
+            pull_to_copies(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_place, staged, inverse, rows,
+                           lookup_peers=ws.peers(at["lists"] + 4 * rank * max_tokens), lookup_out=stage_token)
+        else:
+            pull_to_copies(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_token, staged, inverse, rows)
         out.append(rows.view(t.dtype).view(R, *t.shape[1:]))
-    # Each (staged row, slot j)'s copy, for the sums per staged row; rows past the count land past the end,
-    # each in a place of its own.
-    copy = torch.arange(R, device=device)
-    key = torch.where(copy < received, stage_row.long() * k + slot_of.view(-1) % k, U * k + copy)
-    inverse = torch.full((U * k + R,), R, dtype=torch.int32, device=device).scatter_(
-        0, key, copy.to(torch.int32))[:U * k]
     from_ranks = torch.where(sends, tokens.view(T, 1) * world + torch.arange(world, device=device), T * world)
     handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank,
-                             from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received, stage_row,
-                             row_weight.view(-1), inverse, stage_src, stage_token, staged)
+                             from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received,
+                             row_weight.view(-1), inverse, stage_src, stage_token, stage_token * world + rank, staged)
     return out, group_sizes, handle
 
 
@@ -324,23 +320,15 @@ def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weighted: bool =
     weighted by the routing weights if ``weighted``: ``[T, w]`` in rows' dtype. Each rank sums the
     copies it holds per token (rounded to rows' dtype), pushes one row a token back, and the token's
     rank sums those."""
-    T, k, P, U = handle.tokens, handle.top_k, handle.world, handle.stage_src.shape[0]
-    partial = torch.empty(U, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    weights = None
-    if weighted:  # each (staged row, slot)'s routing weight, 0 where it holds no copy
-        valid = handle.inverse < handle.rows
-        weights = torch.where(valid, handle.row_weight[handle.inverse.long().clamp(max=handle.rows - 1)],
-                              0.0).float().view(U, k)
-    # Only the staged rows are pushed back: the rest of partial (a worst-case size) is never written.
-    unpermute_rows(rows, handle.inverse, handle.received, k, partial, weights, bound=handle.staged)
-    words = as_words(partial)
-    space = handle.space(copy_bytes=words.shape[1] * words.element_size())
+    T, P = handle.tokens, handle.world
+    rows = rows.contiguous()
+    space = handle.space(copy_bytes=rows.shape[1] * rows.element_size())
     ws = space.workspace
     ws.barrier()
-    push_rows(words, ws.peers(space.at["rows"]), handle.stage_src,
-              handle.stage_token * P + handle.rank, handle.staged)
+    sum_and_push(rows, handle.inverse, handle.staged, ws.peers(space.at["rows"]), handle.stage_src, handle.back_row,
+                 scale=handle.row_weight if weighted else None)
     ws.barrier()
-    back = ws.view(space.at["rows"], (T * P, words.shape[1]), words.dtype).view(rows.dtype).view(T * P, rows.shape[1])
+    back = ws.view(space.at["rows"], (T * P, rows.shape[1]), rows.dtype)
     out = torch.empty(T, rows.shape[1], dtype=rows.dtype, device=rows.device)
     unpermute_rows(back, handle.from_ranks, torch.full((1,), T * P, dtype=torch.int32, device=rows.device), P, out)
     return out
@@ -350,20 +338,17 @@ def combine_backward(grad: torch.Tensor, y: torch.Tensor, handle: SymmetricHandl
                      weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad [T, w]`` of combine's output -> (the gradient of y ``[R, w]``: ``weight * grad[t]`` for each
     received row, and if ``weights_grad``, the routing weights' ``[T, k]``: ``<grad[t], y(t, j)>``)."""
-    T, k, U = handle.tokens, handle.top_k, handle.stage_src.shape[0]
+    T, k = handle.tokens, handle.top_k
     grad = grad.contiguous()
     space = handle.space(token_bytes=align(grad.shape[1] * grad.element_size()))
     ws, at = space.workspace, space.at
     ws.barrier()
     ws.view(at["tokens"], (T, grad.shape[1]), grad.dtype).copy_(grad)
     ws.barrier()
-    stage = ws.view(at["stage"], (U, grad.shape[1]), grad.dtype)
-    pull_rows(ws.peers(at["tokens"]), handle.stage_src, handle.stage_token, handle.staged, stage)
-    here = torch.where(handle.src_rank >= 0, handle.rank, -1).to(torch.int32)
     grad_y = torch.empty(handle.rows, grad.shape[1], dtype=grad.dtype, device=grad.device)
     dots = torch.empty(handle.rows, dtype=torch.float32, device=grad.device) if weights_grad else None
-    pull_rows(ws.peers(at["stage"]), here, handle.stage_row, handle.received, grad_y, scale=handle.row_weight,
-              y=y.contiguous() if weights_grad else None, dots=dots)
+    pull_to_copies(ws.peers(at["tokens"]), handle.stage_src, handle.stage_token, handle.staged, handle.inverse, grad_y,
+                   scale=handle.row_weight, y=y.contiguous() if weights_grad else None, dots=dots)
     if not weights_grad:
         return grad_y, None
     push_rows(dots.view(-1, 1), ws.peers(at["dots"]), handle.src_rank, handle.src_pos, handle.received)

@@ -1,0 +1,141 @@
+"""dropless.kernels.exchange: the row moves between ranks' buffers, in one process whose "ranks" are
+several tensors (the kernels see only their addresses), against loop oracles in fp64. Outputs are
+NaN-poisoned: the rows the kernels must write are all finite and the others are left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, REL_TOL, poisoned
+
+from dropless.bench.check import rel_err
+from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
+
+# (rows on each peer, pulled/pushed rows U, count n, copy rows R, K copies a row, width W).
+# W includes 1, 3, 33 and 1,100 (more than one 2 KiB block of fp32); n includes 0 and U.
+CASES = {
+    "k1": ([7, 5], 6, 5, 6, 1, 33),
+    "k8_wide": ([9, 4, 6], 10, 8, 50, 8, 1100),
+    "k3_w1": ([3, 8], 9, 9, 20, 3, 1),
+    "n0": ([4, 4], 5, 0, 10, 2, 3),
+    "one_peer": ([12], 12, 11, 24, 2, 17),
+}
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+SUM_DTYPES = (torch.float32, torch.bfloat16)  # the rows combine sums (it accumulates in fp32)
+
+
+def _case(name: str, dtype: torch.dtype, seed: int):
+    """Peers' tables, each pulled row's rank (some -1) and row, the count, and a copy table in which
+    every copy row appears at most once (some copy rows in none: left untouched)."""
+    sizes, U, n, R, K, W = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    tables = [torch.randn(s, W, generator=gen).to(KERNEL_DEVICE, dtype) for s in sizes]
+    rank = torch.randint(0, len(sizes), (U,), generator=gen, dtype=torch.int32)
+    rank[torch.rand(U, generator=gen) < 0.15] = -1
+    row = torch.tensor([int(torch.randint(0, sizes[r], (1,), generator=gen)) if r >= 0 else 0 for r in rank.tolist()],
+                       dtype=torch.int32)
+    slots = torch.randperm(U * K, generator=gen)[:min(R, U * K) - 1]
+    copies = torch.full((U * K,), R, dtype=torch.int32)
+    copies[slots] = torch.randperm(R, generator=gen)[:slots.numel()].to(torch.int32)
+    return (tables, rank.to(KERNEL_DEVICE), row.to(KERNEL_DEVICE), torch.tensor([n], device=KERNEL_DEVICE),
+            copies.view(U, K).to(KERNEL_DEVICE), R, W, gen)
+
+
+def _peers(tables: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64, device=KERNEL_DEVICE)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, written: torch.Tensor, dtype: torch.dtype) -> None:
+    """The written rows match ref in the dtype's tolerance (all finite); the others are still NaN."""
+    assert bool(torch.isfinite(out[written]).all()), "a row that must be written was not"
+    assert bool(torch.isnan(out[~written]).all()), "a row that must be left was written"
+    if bool(written.any()):
+        assert rel_err(out[written].double(), ref[written]) <= REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("mode", ["plain", "lookup", "scale", "dot"])
+def test_pull_to_copies(name, dtype, mode):
+    tables, rank, row, n, copies, R, W, gen = _case(name, dtype, seed=len(name) + len(mode))
+    U, K = copies.shape
+    lookups = [torch.randint(0, t.shape[0], (U,), generator=gen, dtype=torch.int32).to(KERNEL_DEVICE)
+               for t in tables]
+    scale = torch.rand(R, generator=gen).to(KERNEL_DEVICE) if mode in ("scale", "dot") else None
+    y = torch.randn(R, W, generator=gen).to(KERNEL_DEVICE, dtype) if mode == "dot" else None
+    out = poisoned((R, W), dtype, KERNEL_DEVICE)
+    dots = poisoned((R,), torch.float32, KERNEL_DEVICE) if mode == "dot" else None
+    found = torch.full((U,), -7, dtype=torch.int32, device=KERNEL_DEVICE)
+    options = {"lookup_peers": _peers(lookups), "lookup_out": found} if mode == "lookup" else {}
+    pull_to_copies(_peers(tables), rank, row, n, copies, out, scale=scale, y=y, dots=dots, **options)
+
+    ref, ref_dots = torch.zeros(R, W, dtype=torch.float64), torch.zeros(R, dtype=torch.float64)
+    written = torch.zeros(R, dtype=torch.bool)
+    for i in range(int(n)):
+        r = int(rank[i])
+        at = int(lookups[r][row[i]]) if mode == "lookup" and r >= 0 else int(row[i])
+        if mode == "lookup":
+            assert int(found[i]) == (at if r >= 0 else -1)
+        v = tables[r][at].double().cpu() if r >= 0 else torch.zeros(W, dtype=torch.float64)
+        for c in copies[i].tolist():
+            if c < R:
+                written[c] = True
+                ref[c] = v * (float(scale[c]) if scale is not None else 1.0)
+                if y is not None:
+                    ref_dots[c] = (v * y[c].double().cpu()).sum()
+    if mode == "lookup":
+        assert bool((found[int(n):] == -7).all()), "lookup_out written past the count"
+    _check(out.cpu(), ref, written, dtype)
+    if dots is not None:
+        _check(dots.cpu().view(R, 1), ref_dots.view(R, 1), written, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", SUM_DTYPES, ids=str)
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_sum_and_push(name, dtype, weighted):
+    tables, rank, row, n, copies, R, W, gen = _case(name, dtype, seed=len(name) + weighted)
+    U, K = copies.shape
+    src = torch.randn(R, W, generator=gen).to(KERNEL_DEVICE, dtype)
+    scale = torch.rand(R, generator=gen).to(KERNEL_DEVICE) if weighted else None
+    # Each pushed row lands on a row of its own: a permutation of each peer's rows.
+    targets = [poisoned((U, W), dtype, KERNEL_DEVICE) for _ in tables]
+    row = torch.randperm(U, generator=gen).to(KERNEL_DEVICE, torch.int32)
+    sum_and_push(src, copies, n, _peers(targets), rank, row, scale=scale)
+
+    refs = [torch.zeros(U, W, dtype=torch.float64) for _ in tables]
+    written = [torch.zeros(U, dtype=torch.bool) for _ in tables]
+    for i in range(int(n)):
+        r = int(rank[i])
+        if r < 0:
+            continue
+        written[r][int(row[i])] = True
+        for c in copies[i].tolist():
+            if c < R:
+                refs[r][int(row[i])] += src[c].double().cpu() * (float(scale[c]) if weighted else 1.0)
+    for target, ref, w in zip(targets, refs, written):
+        _check(target.cpu(), ref, w, dtype)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pull_and_push_rows(name):
+    """The plain moves, on int64 words (as the callers pass rows): exact."""
+    tables, rank, row, n, _, _, W, gen = _case(name, torch.float64, seed=3)
+    words = [t.view(torch.int64) for t in tables]
+    U = rank.shape[0]
+    out = torch.full((U, W), -5, dtype=torch.int64, device=KERNEL_DEVICE)
+    pull_rows(_peers(words), rank, row, n, out)
+    for i in range(U):
+        r = int(rank[i])
+        expected = (words[r][int(row[i])] if r >= 0 else torch.zeros(W, dtype=torch.int64, device=KERNEL_DEVICE)
+                    ) if i < int(n) else torch.full((W,), -5, dtype=torch.int64, device=KERNEL_DEVICE)
+        assert torch.equal(out[i], expected), f"pulled row {i}"
+    targets = [torch.full((U, W), -5, dtype=torch.int64, device=KERNEL_DEVICE) for _ in tables]
+    spots = torch.randperm(U, generator=gen).to(KERNEL_DEVICE, torch.int32)
+    push_rows(out, _peers(targets), rank, spots, n)
+    for i in range(U):
+        r = int(rank[i])
+        if i < int(n) and r >= 0:
+            assert torch.equal(targets[r][int(spots[i])], out[i]), f"pushed row {i}"
+    pushed = sum(int(((rank[:int(n)] == r)).sum()) for r in range(len(tables)))
+    assert sum(int((t != -5).any(1).sum()) for t in targets) == pushed, "a row was pushed that should not be"
