@@ -2,11 +2,11 @@
 
 DeepEP's setting and Mixtral's (as ``bench ep``), balanced routing, bf16: dispatch + combine timed eagerly
 (host launches included) and replayed from a CUDA graph (the GPU's time alone), and rank 0's profile of
-the eager calls (kernels by GPU time, the host's time). ``--blocks BYTES:WARPS:ROWS ...`` also replays
+the eager calls (kernels by GPU time, the host's time). ``--blocks BYTES:WARPS:STEP ...`` also replays
 dispatch + combine with the exchange kernels' blocks set to each (bytes of a row a program moves per step,
-warps, rows per program).
+warps, bytes a program moves per step).
 
-    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 2048:4:4 4096:8:4]
+    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 1024:4:8192 2048:4:8192]
 """
 
 from __future__ import annotations
@@ -33,14 +33,13 @@ def _time(fn, n: int = 20) -> float:
 
 
 def _with_blocks(spec: str, fn) -> float:
-    """Graph-replayed ms of ``fn`` with the exchange kernels' blocks set by ``spec`` (BYTES:WARPS:ROWS)."""
-    saved = exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m
-    nbytes, warps, rows = (int(v) for v in spec.split(":"))
-    exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m = nbytes, warps, lambda: rows
+    """Graph-replayed ms of ``fn`` with the exchange kernels' blocks set by ``spec`` (BYTES:WARPS:STEP)."""
+    saved = exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._STEP_BYTES
+    exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._STEP_BYTES = (int(v) for v in spec.split(":"))
     try:
         return _time(ep_exchange.graphed(fn))
     finally:
-        exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._block_m = saved
+        exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._STEP_BYTES = saved
 
 
 def main() -> None:

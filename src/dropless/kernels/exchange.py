@@ -30,14 +30,19 @@ import triton.language as tl
 
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 
-_BLOCK_BYTES = 2048  # bytes of a row a program moves per step
+_BLOCK_BYTES = 1024  # bytes of a row a program moves per step
+_STEP_BYTES = 8192  # bytes a program moves per step: rows per program = _STEP_BYTES // (BLOCK_W's bytes)
+_MAX_ROWS = 256
 _NUM_WARPS = 4
 
 
-def _block_m() -> int:
-    """Rows per program: 4 on GPUs (many programs in flight hide the peers' latency); 64 under the
-    interpreter, which runs programs one after another."""
-    return 64 if interpreting() else 4
+def _blocks(W: int, element_size: int) -> tuple[int, int]:
+    """(rows per program, BLOCK_W). Many rows in flight hide the peers' latency: 8 rows of 1 KiB blocks
+    for wide rows, up to 256 rows for narrow ones (a row of indices). Under the interpreter, which
+    runs programs one after another: at least 64 rows."""
+    block_w = max(16, min(next_power_of_2(W), _BLOCK_BYTES // element_size))
+    rows = max(1, min(_MAX_ROWS, _STEP_BYTES // (block_w * element_size)))
+    return (max(rows, 64) if interpreting() else rows), block_w
 
 
 @triton.jit
@@ -152,10 +157,6 @@ def _sum_and_push_kernel(
                  mask=live[:, None] & col_ok[None, :])
 
 
-def _block_w(W: int, element_size: int) -> int:
-    return max(16, min(next_power_of_2(W), _BLOCK_BYTES // element_size))
-
-
 def pull_rows(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n: torch.Tensor, out: torch.Tensor) -> None:
     """Fill the first ``n`` rows of ``out [R, W]`` (contiguous) from the peers' regions (rows of out's
     dtype). rank, row: int32 ``[R]``; n: int ``[1]`` on the device (at most R). Arguments are not checked:
@@ -164,7 +165,7 @@ def pull_rows(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n: tor
     R, W = out.shape
     if R == 0 or W == 0:
         return
-    block_w, block_m = _block_w(W, out.element_size()), _block_m()
+    block_m, block_w = _blocks(W, out.element_size())
     _pull_kernel[(cdiv(R, block_m), cdiv(W, block_w))](peers, rank, row, n, out, R, W, BLOCK_M=block_m,
                                                         BLOCK_W=block_w, num_warps=_NUM_WARPS)
 
@@ -178,7 +179,7 @@ def push_rows(src: torch.Tensor, peers: torch.Tensor, rank: torch.Tensor, row: t
     R, W = src.shape
     if R == 0 or W == 0:
         return
-    block_w, block_m = _block_w(W, src.element_size()), _block_m()
+    block_m, block_w = _blocks(W, src.element_size())
     _push_kernel[(cdiv(R, block_m), cdiv(W, block_w))](src, peers, rank, row, n, R, W, BLOCK_M=block_m,
                                                         BLOCK_W=block_w, num_warps=_NUM_WARPS)
 
@@ -203,7 +204,7 @@ def pull_to_copies(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n
     if U == 0 or W == 0:
         return
     dot = y is not None
-    block_w, block_m = _block_w(W, out.element_size()), _block_m()
+    block_m, block_w = _blocks(W, out.element_size())
     grid = (cdiv(U, block_m), 1 if dot else cdiv(W, block_w))
     _pull_to_copies_kernel[grid](
         peers, rank, row, n, copies, out, lookup_peers if lookup_peers is not None else peers,
@@ -228,7 +229,7 @@ def sum_and_push(src: torch.Tensor, copies: torch.Tensor, n: torch.Tensor, peers
     U = copies.shape[0]
     if U == 0 or W == 0:
         return
-    block_w, block_m = _block_w(W, src.element_size()), _block_m()
+    block_m, block_w = _blocks(W, src.element_size())
     _sum_and_push_kernel[(cdiv(U, block_m), cdiv(W, block_w))](
         src, copies, n, scale if scale is not None else src, peers, rank, row, U, R, W, copies.shape[1],
         SCALE=scale is not None, BLOCK_M=block_m, BLOCK_W=block_w, num_warps=_NUM_WARPS,

@@ -40,9 +40,10 @@ _MAX_ROWS = 2**31 - 1  # sorted_to_token_slot and offsets are int32
 def sort_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sorted_to_token_slot`` int32 ``[T*k]``, ``group_sizes`` and ``offsets`` int32 ``[E]``, on the
     device. The offsets come from a binary search of the sorted ids (no bincount, which syncs, and
-    no atomics)."""
+    no atomics). The ids are sorted as the narrowest integers that hold E: a radix sort takes one pass
+    per byte of its keys."""
     ids = topk_ids.reshape(-1)
-    ids = torch.where((ids >= 0) & (ids < E), ids, E)
+    ids = torch.where((ids >= 0) & (ids < E), ids, E).to(torch.int16 if E < 2**15 else torch.int32)
     sorted_ids, order = torch.sort(ids, stable=True)
     experts = torch.arange(E, dtype=ids.dtype, device=ids.device)
     offsets = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
