@@ -11,8 +11,9 @@ tensor read or written once (``floor_bytes``). The ratio the floor allows, dense
 implementation with these passes unfused can reach; a bar above it needs fusions that remove passes.
 
 Prints, per layer: the measured step and dense step (their ratio is the bar's number), the step's kernel
-time by kind from ``torch.profiler`` (expert GEMMs, other GEMMs, the rest), the floor's parts and the ratio
-it allows.
+time by kind from ``torch.profiler`` (expert GEMMs, other GEMMs, the rest), the time the GPU sits idle
+between the step's kernels and the largest idle gaps (the kernels on either side), the step replayed
+from a CUDA graph (the GPU's time without the host's), the floor's parts and the ratio it allows.
 """
 
 from __future__ import annotations
@@ -90,11 +91,50 @@ def kernel_ms(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
     return kinds
 
 
+def idle_gaps(step: Callable[[], object], top: int = 6) -> tuple[float, list[tuple[float, str, str]]]:
+    """The GPU's idle time within one step (between its first kernel's start and its last one's end, the
+    time no kernel or copy runs) and the ``top`` largest gaps: (us, the work before, the work after)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    gaps, reach, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            gaps.append(((start - reach), before[:60], name[:60]))
+        if end > reach:
+            reach, before = end, name
+    gaps.sort(reverse=True)
+    return sum(g[0] for g in gaps) / 1e3, gaps[:top]
+
+
+def replayed_ms(step: Callable[[], object], stream: torch.cuda.Stream) -> float:
+    """The step captured in a CUDA graph on ``stream`` (where every earlier step ran: autograd keeps the
+    stream of a parameter's first gradient accumulation), timed as its replay; NaN if it cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    except Exception as error:  # noqa: BLE001 - a failed capture is reported, the probe goes on
+        print(f"  capture failed: {str(error).splitlines()[0]}")
+        return float("nan")
+    ms = events_ms(graph.replay)
+    del graph
+    return ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["mixtral", "qwen3", "dsv2lite"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(args, stream)
+
+
+def run(args: argparse.Namespace, stream: torch.cuda.Stream) -> None:
     gbps = copy_gbps()
     print(f"{torch.cuda.get_device_name()}; copy {gbps:.0f} GB/s")
     rows = []
@@ -106,12 +146,15 @@ def main() -> None:
         step = _step(build_dropless(cfg, w), x, w.dy)
         step_ms = events_ms(step)
         kinds = kernel_ms(step)
+        idle_ms, largest = idle_gaps(step)
+        replay_ms = replayed_ms(step, stream)
         parts = floor_bytes(cfg)
         memory_ms = sum(parts.values()) / (gbps * 1e9) * 1e3
         router_ms = dense_ms * (3 * 2 * cfg.T * cfg.d * cfg.E) / dense.flops
         floor_ms = dense_ms + router_ms + memory_ms
         row = dict(config=cfg.name, step_ms=step_ms, dense_ms=dense_ms, of_dense=dense_ms / step_ms,
-                   dense_tflops=dense.flops / dense_ms / 1e9, copy_gbps=gbps, kernels_ms=kinds,
+                   dense_tflops=dense.flops / dense_ms / 1e9, copy_gbps=gbps, kernels_ms=kinds, idle_ms=idle_ms,
+                   idle_gaps=largest, replay_ms=replay_ms, replay_of_dense=dense_ms / replay_ms,
                    floor_bytes=parts, floor_memory_ms=memory_ms, floor_router_ms=router_ms, floor_ms=floor_ms,
                    floor_of_dense=dense_ms / floor_ms)
         rows.append(row)
@@ -119,6 +162,9 @@ def main() -> None:
               f"{row['of_dense']:.3f} of dense")
         print("  kernels a step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in kinds.items())
               + f" (sum {sum(kinds.values()):.2f})")
+        print(f"  GPU idle within a step {idle_ms:.2f} ms; largest gaps: "
+              + "; ".join(f"{us:.0f} us {a} -> {b}" for us, a, b in largest[:3]))
+        print(f"  replayed from a CUDA graph: {replay_ms:.2f} ms, {row['replay_of_dense']:.3f} of dense")
         print(f"  floor {floor_ms:.2f} ms = GEMMs at the dense rate {dense_ms:.2f} + router {router_ms:.2f} "
               f"+ {sum(parts.values()) / 1e9:.2f} GB at {gbps:.0f} GB/s {memory_ms:.2f}: "
               f"allows {row['floor_of_dense']:.3f} of dense")
