@@ -74,13 +74,15 @@ def copy_gbps() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def kernel_ms(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
-    """GPU kernel time a step by kind: expert GEMMs, other GEMMs, and the rest."""
+def kernel_ms(step: Callable[[], object], steps: int = 3) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """GPU kernel time a step by kind (expert GEMMs, other GEMMs, and the rest), and the rest's eight
+    largest kernels by name: (ms a step, name)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     kinds = {"expert GEMMs": 0.0, "other GEMMs": 0.0, "other kernels": 0.0}
+    others: dict[str, float] = {}
     for event in prof.events():
         if event.device_type.name != "CUDA":
             continue
@@ -88,7 +90,9 @@ def kernel_ms(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
         kind = ("expert GEMMs" if any(k in name for k in EXPERT_GEMMS)
                 else "other GEMMs" if any(k in name for k in OTHER_GEMMS) else "other kernels")
         kinds[kind] += event.device_time / 1e3 / steps
-    return kinds
+        if kind == "other kernels":
+            others[event.name[:70]] = others.get(event.name[:70], 0.0) + event.device_time / 1e3 / steps
+    return kinds, sorted(((ms, name) for name, ms in others.items()), reverse=True)[:8]
 
 
 def idle_gaps(step: Callable[[], object], top: int = 6) -> tuple[float, list[tuple[float, str, str]]]:
@@ -109,19 +113,21 @@ def idle_gaps(step: Callable[[], object], top: int = 6) -> tuple[float, list[tup
     return sum(g[0] for g in gaps) / 1e3, gaps[:top]
 
 
-def replayed_ms(step: Callable[[], object], stream: torch.cuda.Stream) -> float:
+def replayed(step: Callable[[], object], stream: torch.cuda.Stream) -> tuple[float, float]:
     """The step captured in a CUDA graph on ``stream`` (where every earlier step ran: autograd keeps the
-    stream of a parameter's first gradient accumulation), timed as its replay; NaN if it cannot be captured."""
+    stream of a parameter's first gradient accumulation): its replay's ms and the GPU's idle ms within
+    one replay; NaN if it cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, stream=stream):
             step()
     except Exception as error:  # noqa: BLE001 - a failed capture is reported, the probe goes on
         print(f"  capture failed: {str(error).splitlines()[0]}")
-        return float("nan")
+        return float("nan"), float("nan")
     ms = events_ms(graph.replay)
+    idle_ms, _ = idle_gaps(graph.replay)
     del graph
-    return ms
+    return ms, idle_ms
 
 
 def main() -> None:
@@ -145,16 +151,17 @@ def run(args: argparse.Namespace, stream: torch.cuda.Stream) -> None:
         x = w.x.detach().requires_grad_()
         step = _step(build_dropless(cfg, w), x, w.dy)
         step_ms = events_ms(step)
-        kinds = kernel_ms(step)
+        kinds, others = kernel_ms(step)
         idle_ms, largest = idle_gaps(step)
-        replay_ms = replayed_ms(step, stream)
+        replay_ms, replay_idle_ms = replayed(step, stream)
         parts = floor_bytes(cfg)
         memory_ms = sum(parts.values()) / (gbps * 1e9) * 1e3
         router_ms = dense_ms * (3 * 2 * cfg.T * cfg.d * cfg.E) / dense.flops
         floor_ms = dense_ms + router_ms + memory_ms
         row = dict(config=cfg.name, step_ms=step_ms, dense_ms=dense_ms, of_dense=dense_ms / step_ms,
                    dense_tflops=dense.flops / dense_ms / 1e9, copy_gbps=gbps, kernels_ms=kinds, idle_ms=idle_ms,
-                   idle_gaps=largest, replay_ms=replay_ms, replay_of_dense=dense_ms / replay_ms,
+                   idle_gaps=largest, replay_ms=replay_ms, replay_idle_ms=replay_idle_ms, other_kernels=others,
+                   replay_of_dense=dense_ms / replay_ms,
                    floor_bytes=parts, floor_memory_ms=memory_ms, floor_router_ms=router_ms, floor_ms=floor_ms,
                    floor_of_dense=dense_ms / floor_ms)
         rows.append(row)
@@ -164,7 +171,9 @@ def run(args: argparse.Namespace, stream: torch.cuda.Stream) -> None:
               + f" (sum {sum(kinds.values()):.2f})")
         print(f"  GPU idle within a step {idle_ms:.2f} ms; largest gaps: "
               + "; ".join(f"{us:.0f} us {a} -> {b}" for us, a, b in largest[:3]))
-        print(f"  replayed from a CUDA graph: {replay_ms:.2f} ms, {row['replay_of_dense']:.3f} of dense")
+        print(f"  replayed from a CUDA graph: {replay_ms:.2f} ms, {row['replay_of_dense']:.3f} of dense; "
+              f"GPU idle within a replay {replay_idle_ms:.2f} ms")
+        print("  largest other kernels: " + "; ".join(f"{ms:.3f} {name}" for ms, name in others))
         print(f"  floor {floor_ms:.2f} ms = GEMMs at the dense rate {dense_ms:.2f} + router {router_ms:.2f} "
               f"+ {sum(parts.values()) / 1e9:.2f} GB at {gbps:.0f} GB/s {memory_ms:.2f}: "
               f"allows {row['floor_of_dense']:.3f} of dense")
