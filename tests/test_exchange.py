@@ -10,6 +10,7 @@ from conftest import KERNEL_DEVICE, REL_TOL, poisoned
 
 from dropless.bench.check import rel_err
 from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
+from dropless.kernels.exchange_plan import receive_plan
 
 # (rows on each peer, pulled/pushed rows U, count n, copy rows R, K copies a row, width W).
 # W includes 1, 3, 33 and 1,100 (more than one 2 KiB block of fp32); n includes 0 and U.
@@ -139,3 +140,56 @@ def test_pull_and_push_rows(name):
             assert torch.equal(targets[r][int(spots[i])], out[i]), f"pushed row {i}"
     pushed = sum(int(((rank[:int(n)] == r)).sum()) for r in range(len(tables)))
     assert sum(int((t != -5).any(1).sum()) for t in targets) == pushed, "a row was pushed that should not be"
+
+
+@pytest.mark.parametrize("world, E, k, rank, seed", [(2, 4, 2, 0, 0), (4, 8, 2, 3, 1), (3, 6, 4, 1, 2), (4, 256, 8, 2, 3),
+                                                     (1, 5, 3, 0, 4), (2, 2, 1, 1, 5)])
+def test_receive_plan(world, E, k, rank, seed):
+    """The receive layout from a random table of counts (zeros included) and random per-copy tables,
+    against a loop over the blocks: every row of every output, the rows past the counts included
+    (``inverse`` poisoned: its slots that no copy takes keep the poison)."""
+    gen = torch.Generator().manual_seed(seed)
+    local, facts = E // world, 3
+    counts = torch.randint(0, 4, (world, E), generator=gen, dtype=torch.int32)
+    counts[torch.rand(world, E, generator=gen) < 0.3] = 0
+    mine = counts[:, rank * local:(rank + 1) * local].sum(1)
+    to_me = (mine + k - 1) // k + torch.randint(0, 2, (world,), generator=gen, dtype=torch.int32)
+    table = torch.cat([counts, torch.zeros(world, facts, dtype=torch.int32), torch.zeros(world, world, dtype=torch.int32)], 1)
+    table[:, E + facts + rank] = to_me
+    uniques, slots, weights = [], [], []
+    for s in range(world):
+        total, first = int(counts[s].sum()), int(counts[s, :rank * local].sum())
+        unique = torch.randint(0, 100, (total + 1,), generator=gen, dtype=torch.int32)
+        slot = torch.randint(0, 100, (total + 1,), generator=gen, dtype=torch.int32)
+        pairs = torch.randperm(int(to_me[s]) * k, generator=gen)[:int(mine[s])].to(torch.int32)
+        unique[first:first + int(mine[s])], slot[first:first + int(mine[s])] = pairs // k, pairs  # token u, slot u*k + j
+        uniques.append(unique.to(KERNEL_DEVICE))
+        slots.append(slot.to(KERNEL_DEVICE))
+        weights.append(torch.rand(max(int(to_me[s]) * k, 101), generator=gen).to(KERNEL_DEVICE))
+    R, U = int(mine.sum()) + 5, int(to_me.sum()) + 3
+    inverse = torch.full((U * k,), -9, dtype=torch.int32, device=KERNEL_DEVICE)
+    plan = receive_plan(table.to(KERNEL_DEVICE), rank, world, E, k, E + facts + rank, R, U, _peers(uniques),
+                        _peers(slots), _peers(weights), inverse)
+
+    src_rank, src_pos, weight = [-1] * R, [None] * R, [0.0] * R
+    expected_inverse = [-9] * (U * k)
+    stage_start = [int(to_me[:s].sum()) for s in range(world)]
+    i = 0
+    for e in range(local):
+        for s in range(world):
+            for p in range(int(counts[s, rank * local + e])):
+                pos = int(counts[s, :rank * local + e].sum()) + p
+                slot = int(slots[s][pos])
+                src_rank[i], src_pos[i], weight[i] = s, pos, float(weights[s][slot])
+                expected_inverse[(stage_start[s] + int(uniques[s][pos])) * k + slot % k] = i
+                i += 1
+    received = i
+    assert plan["received"].tolist() == [received] and plan["staged"].tolist() == [int(to_me.sum())]
+    assert plan["group_sizes"].tolist() == counts[:, rank * local:(rank + 1) * local].sum(0).tolist()
+    assert plan["src_rank"].tolist() == src_rank
+    assert plan["src_pos"][:received].tolist() == src_pos[:received]
+    assert torch.equal(plan["row_weight"].cpu(), torch.tensor(weight, dtype=torch.float32))
+    assert inverse.tolist() == expected_inverse
+    stage_src = [s for s in range(world) for _ in range(int(to_me[s]))]
+    assert plan["stage_src"].tolist() == stage_src + [-1] * (U - len(stage_src))
+    assert plan["stage_place"][:len(stage_src)].tolist() == [p for s in range(world) for p in range(int(to_me[s]))]

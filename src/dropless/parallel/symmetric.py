@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
+from dropless.kernels.exchange_plan import receive_plan
 from dropless.kernels.permute import unpermute_rows
 from dropless.ops.checks import validation_enabled
 from dropless.ops.permute import sort_by_expert
@@ -184,22 +185,6 @@ def _pull_table(space: _Space, width: int, device: torch.device) -> torch.Tensor
     return table
 
 
-def _receive_layout(table: torch.Tensor, rank: int, world: int, num_experts: int, rows: int):
-    """From the ``[P, E]`` counts: each received row's source rank (-1 past the count) and place in the
-    source's sorted copies, the count ``[1]`` and the local group sizes (all on the device)."""
-    local = num_experts // world
-    counts = table[:, :num_experts].long()
-    mine = counts[:, rank * local:(rank + 1) * local]  # [source, local expert]
-    # Expert-major blocks: each local expert's rows from rank 0, 1, ...
-    block, place, received = _segments(mine.t().reshape(-1), rows)
-    block = block.long().clamp(min=0)
-    expert, source = block // world, block % world
-    first = counts.cumsum(1) - counts  # where each expert's copies start in each source's sorted order
-    pos = first[source, rank * local + expert] + place
-    src_rank = torch.where(torch.arange(rows, device=table.device) < received, source, -1).to(torch.int32)
-    return src_rank, pos.to(torch.int32), received, mine.sum(0).to(torch.int32)
-
-
 def _check_table(table: torch.Tensor, num_experts: int) -> None:
     """With validation on (``dropless.set_validation``): bad ids or rows of another dtype/width on any
     rank raise at the next sync point."""
@@ -207,17 +192,6 @@ def _check_table(table: torch.Tensor, num_experts: int) -> None:
         facts = table[:, num_experts:]
         torch._assert_async(facts[:, 0].eq(0).all(), f"topk_idx must hold expert ids in [0, {num_experts}) on every rank")
         torch._assert_async(facts[:, 1:].eq(facts[:1, 1:]).all(), "x must have one dtype and width on every rank")
-
-
-def _segments(sizes: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For ``total`` rows laid out as segments of ``sizes [P]`` rows one after another: each row's
-    segment (-1 past the end), its place in it, and the rows in all ``[1]``."""
-    ends = sizes.long().cumsum(0)
-    i = torch.arange(total, device=sizes.device)
-    segment = torch.searchsorted(ends, i, right=True).clamp_(max=sizes.numel() - 1)
-    count = ends[-1:]
-    place = i - (ends - sizes.long())[segment]
-    return torch.where(i < count, segment, -1).to(torch.int32), place.to(torch.int32), count
 
 
 def _sends(topk_idx: torch.Tensor, world: int, local: int):
@@ -282,22 +256,13 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     table = _pull_table(space, width, device)
     _check_table(table, num_experts)
     R, U = world * max_tokens * k, pairs
-    src_rank, src_pos, received, group_sizes = _receive_layout(table, rank, world, num_experts, R)
-    stage_src, stage_place, staged = _segments(table[:, num_experts + _FACTS + rank], U)
-    # Each copy's staged row: where its source's tokens start, and its place among them.
-    unique_of = torch.empty(R, 1, dtype=torch.int32, device=device)
-    slot_of = torch.empty(R, 1, dtype=torch.int32, device=device)
-    row_weight = torch.empty(R, 1, dtype=torch.float32, device=device)
-    pull_rows(ws.peers(at["unique"]), src_rank, src_pos, received, unique_of)
-    pull_rows(ws.peers(at["slots"]), src_rank, src_pos, received, slot_of)
-    pull_rows(ws.peers(at["weights"]), src_rank, slot_of.view(-1), received, row_weight)
-    from_each = table[:, num_experts + _FACTS + rank].long()
-    stage_row = (from_each.cumsum(0) - from_each)[src_rank.clamp(min=0).long()] + unique_of.view(-1)
-    # Each (pulled token, slot j)'s copy; rows past the count land past the end, each in a place of its own.
-    copy = torch.arange(R, device=device)
-    key = torch.where(copy < received, stage_row * k + slot_of.view(-1) % k, U * k + copy)
-    inverse = torch.full((U * k + R,), R, dtype=torch.int32, device=device).scatter_(
-        0, key, copy.to(torch.int32))[:U * k].view(U, k)
+    # Each (pulled token, slot j)'s copy, R where none: the plan writes the copies' places.
+    inverse = torch.full((U * k,), R, dtype=torch.int32, device=device)
+    plan = receive_plan(table, rank, world, num_experts, k, num_experts + _FACTS + rank, R, U, ws.peers(at["unique"]),
+                        ws.peers(at["slots"]), ws.peers(at["weights"]), inverse)
+    inverse = inverse.view(U, k)
+    src_rank, src_pos, received, row_weight = plan["src_rank"], plan["src_pos"], plan["received"], plan["row_weight"]
+    stage_src, stage_place, staged = plan["stage_src"], plan["stage_place"], plan["staged"]
     stage_token = torch.empty(U, dtype=torch.int32, device=device)
     out = []
     for n, (t, w, part) in enumerate(zip(published, words, parts)):
@@ -311,8 +276,8 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     from_ranks = torch.where(sends, tokens.view(T, 1) * world + torch.arange(world, device=device), T * world)
     handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank,
                              from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received,
-                             row_weight.view(-1), inverse, stage_src, stage_token, stage_token * world + rank, staged)
-    return out, group_sizes, handle
+                             row_weight, inverse, stage_src, stage_token, stage_token * world + rank, staged)
+    return out, plan["group_sizes"], handle
 
 
 def sum_at_sources(rows: torch.Tensor, handle: SymmetricHandle, weighted: bool = False) -> torch.Tensor:
