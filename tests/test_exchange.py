@@ -10,7 +10,8 @@ from conftest import KERNEL_DEVICE, REL_TOL, poisoned
 
 from dropless.bench.check import rel_err
 from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
-from dropless.kernels.exchange_plan import receive_plan
+from dropless.kernels.exchange_plan import receive_plan, send_plan
+from dropless.ops.permute import sort_by_expert
 
 # (rows on each peer, pulled/pushed rows U, count n, copy rows R, K copies a row, width W).
 # W includes 1, 3, 33 and 1,100 (more than one 2 KiB block of fp32); n includes 0 and U.
@@ -193,3 +194,45 @@ def test_receive_plan(world, E, k, rank, seed):
     stage_src = [s for s in range(world) for _ in range(int(to_me[s]))]
     assert plan["stage_src"].tolist() == stage_src + [-1] * (U - len(stage_src))
     assert plan["stage_place"][:len(stage_src)].tolist() == [p for s in range(world) for p in range(int(to_me[s]))]
+
+
+@pytest.mark.parametrize("T, E, k, world, max_tokens, seed", [(37, 8, 2, 2, 40, 0), (300, 16, 4, 4, 300, 1), (5, 6, 3, 3, 9, 2),
+                                                              (0, 4, 2, 2, 4, 3), (260, 256, 8, 4, 300, 4), (9, 3, 1, 1, 9, 5)])
+def test_send_plan(T, E, k, world, max_tokens, seed):
+    """The published regions and from_ranks against loops over the tokens, with ids outside [0, E) mixed
+    in; the regions poisoned (the lists' unused places must keep it)."""
+    gen = torch.Generator().manual_seed(seed)
+    local = E // world
+    ids = torch.stack([torch.randperm(E + 2, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.int64)
+    ids[ids == E + 1] = -1  # E and -1: no expert
+    ids = ids.to(KERNEL_DEVICE)
+    weights = torch.rand(T, k, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
+    slots, sizes, offsets = sort_by_expert(ids, E)
+    table = torch.full((E + 3 + world,), -9, dtype=torch.int32, device=KERNEL_DEVICE)
+    slots_out, unique_out = (torch.full((T * k,), -9, dtype=torch.int32, device=KERNEL_DEVICE) for _ in range(2))
+    weights_out = poisoned((T * k,), torch.float32, KERNEL_DEVICE)
+    lists = torch.full((world * max_tokens,), -9, dtype=torch.int32, device=KERNEL_DEVICE)
+    from_ranks = send_plan(ids, slots, sizes, offsets, weights, world, E, max_tokens, 2, 77, table, slots_out,
+                           unique_out, weights_out, lists)
+
+    ids_cpu = ids.cpu().tolist()
+    ranks_of = [{i // local for i in row if 0 <= i < E} for row in ids_cpu]
+    place, expected_lists = {}, [-9] * (world * max_tokens)
+    per_rank = [0] * world
+    for t, ranks in enumerate(ranks_of):
+        for r in sorted(ranks):
+            place[t, r] = per_rank[r]
+            expected_lists[r * max_tokens + per_rank[r]] = t
+            per_rank[r] += 1
+    invalid = sum(1 for row in ids_cpu for i in row if not 0 <= i < E)
+    assert table.tolist() == sizes.tolist() + [invalid, 2, 77] + per_rank
+    assert torch.equal(slots_out, slots)
+    expected_unique = []
+    for s in slots.tolist():
+        i = ids_cpu[s // k][s % k]
+        expected_unique.append(place[s // k, i // local] if 0 <= i < E else 0)
+    assert unique_out.tolist() == expected_unique
+    assert torch.equal(weights_out, weights.float().reshape(-1))
+    assert lists.tolist() == expected_lists
+    assert from_ranks.tolist() == [t * world + r if r in ranks_of[t] else T * world
+                                   for t in range(T) for r in range(world)]

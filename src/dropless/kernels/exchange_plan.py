@@ -1,5 +1,14 @@
-"""What an expert rank receives in a symmetric-memory dispatch, worked out in one kernel from the counts
-every rank published (``parallel.symmetric``).
+"""What a rank publishes for a symmetric-memory dispatch, and what an expert rank receives, worked out by
+kernels from the routing and from the counts every rank published (``parallel.symmetric``).
+
+**Sending** (``send_plan``, three kernels after the copies are sorted by expert): each token's ranks (those
+of its valid expert ids, ``rank = id // L``), each (token, rank)'s place among the tokens sent to that
+rank (a count per block of tokens, then each block's running count from the blocks before it), and
+straight into the published regions: each rank's list of tokens, the sorted copies' slots, their places,
+the routing weights (by slot), and the table row (copies per expert, the facts, tokens per rank). Also
+``from_ranks``: where each (token, rank)'s row lands when rows come back.
+
+**Receiving** (``receive_plan``):
 
 Inputs: the ``[P, width]`` int32 table of the ranks' published rows (columns ``0..E-1``: each source's
 copies per expert; column ``to_me``: how many of its tokens each source sends to this rank), and the
@@ -27,8 +36,82 @@ import triton.language as tl
 
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 
-_CHUNK = 256  # table columns a step when summing a source's copies before this rank's experts
+_CHUNK = 256  # table columns (or earlier token blocks) a step when summing
 _ELEMENTS = 8192  # rows x blocks a program compares
+_TOKEN_ELEMENTS = 4096  # tokens x slots x ranks a program compares
+_COPIES = 1024  # sorted copies a program
+
+
+@triton.jit
+def _rank_sends(ids_ptr, tokens, T, top_k, local, E, KK: tl.constexpr, PP: tl.constexpr):
+    """``[tokens, PP]`` int32: 1 where the token has a copy on that rank."""
+    slots = tl.arange(0, KK)
+    ok = (tokens[:, None] < T) & (slots[None, :] < top_k)
+    ids = tl.load(ids_ptr + tokens.to(tl.int64)[:, None] * top_k + slots[None, :], mask=ok, other=-1)
+    dest = tl.where((ids >= 0) & (ids < E), ids // local, -1)
+    ranks = tl.arange(0, PP)
+    return tl.max((dest[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _send_counts_kernel(ids_ptr, counts_out, T, top_k, local, E,
+                        KK: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    sends = _rank_sends(ids_ptr, tokens, T, top_k, local, E, KK, PP)
+    tl.store(counts_out + tl.program_id(0) * PP + tl.arange(0, PP), tl.sum(sends, axis=0))
+
+
+@triton.jit
+def _send_lists_kernel(ids_ptr, counts, place_out, lists_out, from_ranks_out, T, top_k, local, E, P, max_tokens,
+                       KK: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
+    ranks = tl.arange(0, PP)
+    before = tl.zeros((PP,), dtype=tl.int32)
+    for b0 in range(0, pid, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        before += tl.sum(tl.load(counts + blocks[:, None] * PP + ranks[None, :], mask=blocks[:, None] < pid,
+                                 other=0), axis=0)
+    tokens = pid * BLOCK + tl.arange(0, BLOCK)
+    sends = _rank_sends(ids_ptr, tokens, T, top_k, local, E, KK, PP)
+    place = tl.cumsum(sends, axis=0) - sends + before[None, :]
+    live = (tokens[:, None] < T) & (ranks[None, :] < P)
+    tl.store(place_out + tokens[:, None] * PP + ranks[None, :], place, mask=live)
+    tl.store(lists_out + ranks[None, :] * max_tokens + place, tokens[:, None] + 0 * place,
+             mask=live & (sends > 0))
+    pair = tokens[:, None] * P + ranks[None, :]
+    tl.store(from_ranks_out + pair, tl.where(sends > 0, pair, T * P), mask=live)
+
+
+@triton.jit
+def _send_copies_kernel(ids_ptr, slots, weights, place, counts, num_blocks, sizes, offsets,
+                        table_out, slots_out, unique_out, weights_out,
+                        T, top_k, local, E, P, dtype_code, row_width,
+                        PP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr):
+    pid = tl.program_id(0)
+    copies = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = copies < T * top_k
+    slot = tl.load(slots + copies, mask=ok, other=0)
+    ids = tl.load(ids_ptr + slot, mask=ok, other=-1)
+    valid = ok & (ids >= 0) & (ids < E)
+    rank = tl.where(valid, ids // local, 0)
+    unique = tl.load(place + (slot // top_k).to(tl.int64) * PP + rank, mask=valid, other=0)
+    tl.store(slots_out + copies, slot, mask=ok)
+    tl.store(unique_out + copies, unique, mask=ok)
+    tl.store(weights_out + copies, tl.load(weights + copies, mask=ok, other=0.0).to(tl.float32), mask=ok)
+    if pid == 0:
+        experts = tl.arange(0, EB)
+        tl.store(table_out + experts, tl.load(sizes + experts, mask=experts < E, other=0), mask=experts < E)
+        sorted_valid = tl.load(offsets + E - 1)
+        tl.store(table_out + E, T * top_k - sorted_valid)
+        tl.store(table_out + E + 1, dtype_code)
+        tl.store(table_out + E + 2, row_width)
+        ranks = tl.arange(0, PP)
+        total = tl.zeros((PP,), dtype=tl.int32)
+        for b0 in range(0, num_blocks, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            total += tl.sum(tl.load(counts + blocks[:, None] * PP + ranks[None, :], mask=blocks[:, None] < num_blocks,
+                                    other=0), axis=0)
+        tl.store(table_out + E + 3 + ranks, total, mask=ranks < P)
 
 
 @triton.jit
@@ -133,3 +216,42 @@ def receive_plan(table: torch.Tensor, rank: int, world: int, num_experts: int, t
         PP=PP, LL=LL, BLOCK=block, CHUNK=_CHUNK, num_warps=4,
     )
     return out
+
+
+def send_plan(topk_idx: torch.Tensor, slots: torch.Tensor, group_sizes: torch.Tensor, offsets: torch.Tensor,
+              weights: torch.Tensor, world: int, num_experts: int, max_tokens: int, dtype_code: int,
+              row_width: int, table_out: torch.Tensor, slots_out: torch.Tensor, unique_out: torch.Tensor,
+              weights_out: torch.Tensor, lists_out: torch.Tensor) -> torch.Tensor:
+    """Fill this rank's published regions (module docstring) and return ``from_ranks`` int32 ``[T * P]``.
+
+    topk_idx: int ``[T, k]`` (contiguous; ids outside ``[0, E)`` go to no rank); slots int32 ``[T*k]``, the
+    copies sorted by expert (``ops.permute.sort_by_expert``), with its group sizes and offsets ``[E]``;
+    weights ``[T, k]`` (contiguous). Writes table_out int32 ``[E + 3 + P]`` (copies per expert, the copies
+    with no valid id, ``dtype_code``, ``row_width``, tokens per rank), slots_out, unique_out (each sorted
+    copy's place among the tokens sent to its rank), weights_out (fp32, by slot) ``[T*k]``, and lists_out
+    ``[P * max_tokens]`` (rank r's tokens from ``r * max_tokens``; the rest left as it is). Arguments are
+    not checked: the caller builds them.
+    """
+    launch_info(topk_idx.device)
+    device = topk_idx.device
+    T, k = topk_idx.shape
+    local = num_experts // world
+    PP, KK = next_power_of_2(world), next_power_of_2(k)
+    block = max(16, min(256, _TOKEN_ELEMENTS // (PP * KK)))
+    if interpreting():
+        block = max(block, 64)
+    num_blocks = cdiv(T, block)
+    counts = torch.empty(max(num_blocks, 1) * PP, dtype=torch.int32, device=device)
+    place = torch.empty(max(T, 1) * PP, dtype=torch.int32, device=device)
+    from_ranks = torch.empty(T * world, dtype=torch.int32, device=device)
+    if T:
+        _send_counts_kernel[(num_blocks,)](topk_idx, counts, T, k, local, num_experts, KK=KK, PP=PP, BLOCK=block,
+                                           num_warps=4)
+        _send_lists_kernel[(num_blocks,)](topk_idx, counts, place, lists_out, from_ranks, T, k, local, num_experts,
+                                          world, max_tokens, KK=KK, PP=PP, BLOCK=block, CHUNK=_CHUNK, num_warps=4)
+    _send_copies_kernel[(max(cdiv(T * k, _COPIES), 1),)](
+        topk_idx, slots, weights, place, counts, num_blocks, group_sizes, offsets,
+        table_out, slots_out, unique_out, weights_out, T, k, local, num_experts, world, dtype_code, row_width,
+        PP=PP, BLOCK=_COPIES, CHUNK=_CHUNK, EB=next_power_of_2(num_experts), num_warps=4,
+    )
+    return from_ranks

@@ -8,14 +8,14 @@ of 8.
 
 - dispatch: each rank publishes its tokens ``[T, d]``, its copies in expert-sorted order
   (``sort_by_expert``: their slots, and each copy's place among the tokens it sends to the copy's rank),
-  for each rank the list of tokens it sends there, and its counts. Each rank reads the table of counts,
-  then pulls each token it gets from a source once and writes it to each of that token's copies' rows
-  (by local expert, each expert's rows in source-rank then sorted order: the layout of the "nccl"
-  backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
+  for each rank the list of tokens it sends there, and its counts (``kernels.exchange_plan.send_plan``).
+  Each rank reads the table of counts, works out what it receives (``receive_plan``), then pulls each
+  token it gets from a source once and writes it to each of that token's copies' rows (by local expert,
+  each expert's rows in source-rank then sorted order: the layout of the "nccl" backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
   ``sum(group_sizes)`` hold them, the rest is left as it was (nothing waits to learn the count).
 - combine: each expert rank sums the weighted outputs of each token's copies it holds (fp32, rounded
-  to y's dtype once) and stores that one row in the token's rank's buffer (one kernel), which sums the rows from the ranks
-  (fp32, in rank order). With bf16 rows this rounds each rank's partial sum once more than summing all k
+  to y's dtype once) and stores that one row in the token's rank's buffer (one kernel); the token's
+  rank sums the rows from the ranks (fp32, in rank order). With bf16 rows this rounds each rank's partial sum once more than summing all k
   copies at the source would.
 - the backward passes are the same moves the other way: dispatch's backward sums each token's copies'
   gradients per rank and pushes them back; combine's backward publishes the output gradient, each expert
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dropless.kernels.exchange import pull_rows, pull_to_copies, push_rows, sum_and_push
-from dropless.kernels.exchange_plan import receive_plan
+from dropless.kernels.exchange_plan import receive_plan, send_plan
 from dropless.kernels.permute import unpermute_rows
 from dropless.ops.checks import validation_enabled
 from dropless.ops.permute import sort_by_expert
@@ -65,7 +65,7 @@ class _Layout:
     def offsets(self) -> dict[str, int]:
         pairs = self.world * self.tokens  # (token, rank) pairs: the most rows a rank gets back
         sizes = {"table": 4 * self.table, "slots": 4 * self.copies, "unique": 4 * self.copies,
-                 "lists": 8 * pairs, "weights": 4 * self.copies, "dots": 4 * self.copies,
+                 "lists": 4 * pairs, "weights": 4 * self.copies, "dots": 4 * self.copies,
                  "tokens": self.tokens * self.token_bytes, "rows": pairs * self.copy_bytes}
         out, at = {}, 0
         for name, size in sizes.items():
@@ -88,6 +88,11 @@ class _Space:
         self.layout = layout
         self.at = layout.offsets()
         self.workspace = Workspace(group, device, self.at["end"])
+        # The table pull's arguments, made once: each rank's row, at row 0 of its region, all P of them.
+        world = self.workspace.world
+        self.table_ranks = torch.arange(world, dtype=torch.int32, device=device)
+        self.table_rows = torch.zeros(world, dtype=torch.int32, device=device)
+        self.table_count = torch.full((1,), world, dtype=torch.int32, device=device)
 
 
 _SPACES: dict[tuple[int, str], _Space] = {}
@@ -176,12 +181,9 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _pull_table(space: _Space, width: int, device: torch.device) -> torch.Tensor:
-    """After the ready barrier: every rank's published ``[E + 3]`` row, as ``[P, E + 3]`` int32."""
-    ws = space.workspace
-    table = torch.empty(ws.world, width, dtype=torch.int32, device=device)
-    ranks = torch.arange(ws.world, dtype=torch.int32, device=device)
-    pull_rows(ws.peers(space.at["table"]), ranks, torch.zeros_like(ranks), torch.full_like(ranks[:1], ws.world),
-              table)
+    """After the ready barrier: every rank's published ``[width]`` row, as ``[P, width]`` int32."""
+    table = torch.empty(space.workspace.world, width, dtype=torch.int32, device=device)
+    pull_rows(space.workspace.peers(space.at["table"]), space.table_ranks, space.table_rows, space.table_count, table)
     return table
 
 
@@ -194,19 +196,6 @@ def _check_table(table: torch.Tensor, num_experts: int) -> None:
         torch._assert_async(facts[:, 1:].eq(facts[:1, 1:]).all(), "x must have one dtype and width on every rank")
 
 
-def _sends(topk_idx: torch.Tensor, world: int, local: int):
-    """Which ranks each token sends copies to: ``[T, P]`` bool; each (token, rank)'s place among the tokens
-    sent to that rank, ``[T, P]`` int64; each copy's rank (``world`` for an id outside the experts)."""
-    T, k = topk_idx.shape
-    ids = topk_idx.long()
-    dest = torch.where((ids >= 0) & (ids < world * local), ids // local, world)
-    sends = torch.zeros(T, world + 1, dtype=torch.bool, device=ids.device).scatter_(1, dest, True)[:, :world]
-    # The running count along the tokens, as a scan of contiguous rows: a scan down the columns of
-    # [T, P] runs one thread per column, T steps one after another.
-    place = sends.t().contiguous().long().cumsum(1).t() - 1
-    return sends, place, dest
-
-
 def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dist.ProcessGroup | None,
                   num_experts: int, max_tokens: int | None,
                   published: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, SymmetricHandle]:
@@ -215,11 +204,9 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     ...]`` tables; returns them, the local group sizes int32 ``[E/P]`` and the handle."""
     T, k = topk_idx.shape
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = num_experts // world
     max_tokens = max(max_tokens or 0, T)
     device = topk_idx.device
     slots, all_sizes, offsets = sort_by_expert(topk_idx, num_experts)
-    sends, place, dest = _sends(topk_idx, world, local)
     words = [as_words(t) for t in published]
     row_bytes = [align(w.shape[1] * w.element_size()) for w in words]
     width = num_experts + _FACTS + world
@@ -229,26 +216,15 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
     ws, at = space.workspace, space.at
     # The regions are laid out for the tokens the workspace was made for, a size every rank agreed on.
     max_tokens = space.layout.tokens
-    # The facts a rank checks of the others: ids outside [0, E), the rows' dtype and width.
-    # (Filled by kernels: a Python number written into a device tensor would be a copy from the host.)
-    facts = torch.full((_FACTS,), first.shape[1], dtype=torch.int32, device=device)
-    facts[:1].copy_(T * k - offsets[-1:])
-    facts[1:2].fill_(ROW_DTYPES.index(first.dtype) if first.dtype in ROW_DTYPES else len(ROW_DTYPES))
     pairs = world * max_tokens
-    tokens = torch.arange(T, device=device)
-    # Each copy's place among the tokens its rank gets from this one, in sorted order.
-    unique = torch.cat([place, place.new_zeros(T, 1)], 1).gather(1, dest).reshape(-1)[slots.long()]
     ws.barrier()
-    ws.view(at["table"], (width,), torch.int32).copy_(torch.cat([all_sizes, facts, sends.sum(0).to(torch.int32)]))
-    ws.view(at["slots"], (T * k,), torch.int32).copy_(slots)
-    ws.view(at["unique"], (T * k,), torch.int32).copy_(unique)
-    ws.view(at["weights"], (T * k,), torch.float32).copy_(topk_weights.detach().reshape(-1))
-    # Rank r's list of the tokens sent to it at [r * max_tokens, ...). The (token, rank) pairs with no copy
-    # land past the lists, each in a place of its own (many stores to one address would queue up).
-    pair = torch.arange(T * world, device=device).view(T, world)
-    lists_at = torch.where(sends, torch.arange(world, device=device) * max_tokens + place, pairs + pair)
-    ws.view(at["lists"], (2 * pairs,), torch.int32).scatter_(0, lists_at.reshape(-1),
-                                                           tokens.view(T, 1).expand(T, world).reshape(-1).to(torch.int32))
+    # The table row holds the facts a rank checks of the others: ids outside [0, E), the rows' dtype and width.
+    from_ranks = send_plan(topk_idx.contiguous(), slots, all_sizes, offsets, topk_weights.detach().contiguous(), world,
+                           num_experts, max_tokens,
+                           ROW_DTYPES.index(first.dtype) if first.dtype in ROW_DTYPES else len(ROW_DTYPES),
+                           first.shape[1], ws.view(at["table"], (width,), torch.int32),
+                           ws.view(at["slots"], (T * k,), torch.int32), ws.view(at["unique"], (T * k,), torch.int32),
+                           ws.view(at["weights"], (T * k,), torch.float32), ws.view(at["lists"], (pairs,), torch.int32))
     parts = [sum(row_bytes[:n]) for n in range(len(words))]  # each table's part of a token's (or pair's) bytes
     for w, part in zip(words, parts):
         ws.view(at["tokens"] + part * max_tokens, tuple(w.shape), w.dtype).copy_(w)
@@ -273,9 +249,7 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
         else:
             pull_to_copies(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_token, staged, inverse, rows)
         out.append(rows.view(t.dtype).view(R, *t.shape[1:]))
-    from_ranks = torch.where(sends, tokens.view(T, 1) * world + torch.arange(world, device=device), T * world)
-    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank,
-                             from_ranks.reshape(-1).to(torch.int32), src_rank, src_pos, received,
+    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank, from_ranks, src_rank, src_pos, received,
                              row_weight, inverse, stage_src, stage_token, stage_token * world + rank, staged)
     return out, plan["group_sizes"], handle
 
