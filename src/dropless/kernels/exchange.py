@@ -46,15 +46,25 @@ def _blocks(W: int, element_size: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _peer_rows(peers, rank_ptr, row_ptr, n, count, like, BLOCK_M: tl.constexpr):
+    """This program's ``BLOCK_M`` rows: which are below the count (``ok``) and have a rank (``live``),
+    their ranks (0 where not live), their rows on the peers (int64) and their peers' regions (pointers
+    of ``like``'s type)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = (rows < n) & (rows < count)
+    rank = tl.load(rank_ptr + rows, mask=ok, other=-1)
+    live = ok & (rank >= 0)
+    rank = tl.where(live, rank, 0)
+    row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
+    base = tl.load(peers + rank, mask=live, other=0).to(like.dtype)
+    return rows, ok, live, rank, row, base
+
+
+@triton.jit
 def _pull_kernel(peers, rank_ptr, row_ptr, n_ptr, out, R, W, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     n = tl.load(n_ptr)
     if tl.program_id(0) * BLOCK_M < n:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = (rows < n) & (rows < R)
-        rank = tl.load(rank_ptr + rows, mask=ok, other=-1)
-        live = ok & (rank >= 0)
-        row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
-        base = tl.load(peers + tl.where(live, rank, 0), mask=live, other=0).to(out.dtype)
+        rows, ok, live, _, row, base = _peer_rows(peers, rank_ptr, row_ptr, n, R, out, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         col_ok = cols < W
         v = tl.load(base[:, None] + row[:, None] * W + cols[None, :], mask=live[:, None] & col_ok[None, :], other=0)
@@ -65,11 +75,7 @@ def _pull_kernel(peers, rank_ptr, row_ptr, n_ptr, out, R, W, BLOCK_M: tl.constex
 def _push_kernel(src, peers, rank_ptr, row_ptr, n_ptr, R, W, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     n = tl.load(n_ptr)
     if tl.program_id(0) * BLOCK_M < n:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rank = tl.load(rank_ptr + rows, mask=(rows < n) & (rows < R), other=-1)
-        live = (rows < n) & (rows < R) & (rank >= 0)
-        row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
-        base = tl.load(peers + tl.where(live, rank, 0), mask=live, other=0).to(src.dtype)
+        rows, _, live, _, row, base = _peer_rows(peers, rank_ptr, row_ptr, n, R, src, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         m = live[:, None] & (cols[None, :] < W)
         v = tl.load(src + rows.to(tl.int64)[:, None] * W + cols[None, :], mask=m)
@@ -85,20 +91,14 @@ def _pull_to_copies_kernel(
 ):
     n = tl.load(n_ptr)
     if tl.program_id(0) * BLOCK_M < n:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = (rows < n) & (rows < U)
+        rows, ok, live, rank, row, base = _peer_rows(peers, rank_ptr, row_ptr, n, U, out, BLOCK_M)
         rows64 = rows.to(tl.int64)
-        rank = tl.load(rank_ptr + rows, mask=ok, other=-1)
-        live = ok & (rank >= 0)
-        rank = tl.where(live, rank, 0)
-        row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
         if LOOKUP:
             table = tl.load(lookup_peers + rank, mask=live, other=0).to(lookup_out.dtype)
             found = tl.load(table + row, mask=live, other=0)
             if tl.program_id(1) == 0:
                 tl.store(lookup_out + rows, tl.where(live, found, -1), mask=ok)
             row = found.to(tl.int64)
-        base = tl.load(peers + rank, mask=live, other=0).to(out.dtype)
         slot_of = tl.arange(0, K_POW2)
         dot = tl.zeros((BLOCK_M, K_POW2), dtype=tl.float32)
         for c0 in range(tl.program_id(1) * BLOCK_W, W, BLOCK_W * tl.num_programs(1)):
@@ -134,12 +134,7 @@ def _sum_and_push_kernel(
 ):
     n = tl.load(n_ptr)
     if tl.program_id(0) * BLOCK_M < n:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = (rows < n) & (rows < U)
-        rank = tl.load(rank_ptr + rows, mask=ok, other=-1)
-        live = ok & (rank >= 0)
-        row = tl.load(row_ptr + rows, mask=live, other=0).to(tl.int64)
-        base = tl.load(peers + tl.where(live, rank, 0), mask=live, other=0).to(src.dtype)
+        rows, _, live, _, row, base = _peer_rows(peers, rank_ptr, row_ptr, n, U, src, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         col_ok = cols < W
         acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
