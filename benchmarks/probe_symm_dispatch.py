@@ -4,9 +4,11 @@ DeepEP's setting and Mixtral's (as ``bench ep``), balanced routing, bf16: dispat
 (host launches included) and replayed from a CUDA graph (the GPU's time alone), and rank 0's profile of
 the eager calls (kernels by GPU time, the host's time). ``--blocks BYTES:WARPS:STEP ...`` also replays
 dispatch + combine with the exchange kernels' blocks set to each (bytes of a row a program moves per step,
-warps, bytes a program moves per step).
+warps, bytes a program moves per step). ``--ceiling MB`` first times the link alone, replayed: each rank
+pulls MB of contiguous rows from the other ranks (spread evenly) into its memory, then pushes them back,
+with the exchange's own kernels (the bandwidth a dispatch or combine of that many remote bytes can reach).
 
-    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 1024:4:8192 2048:4:8192]
+    torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 1024:4:8192 2048:4:8192] [--ceiling 100]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dropless.bench.routing import draw_topk
 from dropless.bench.timing import back_to_back_ms
 from dropless.kernels import exchange
 from dropless.parallel import combine, dispatch
+from dropless.parallel.workspace import Workspace
 
 
 def _time(fn, n: int = 20) -> float:
@@ -42,14 +45,47 @@ def _with_blocks(spec: str, fn) -> float:
         exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._STEP_BYTES = saved
 
 
+def link_ceiling(megabytes: float, rank: int, world: int, dev: torch.device, d: int = 4096) -> str:
+    """GB/s of a replayed pull, and of a replayed push, of ``megabytes`` of bf16 rows of width ``d`` between
+    this rank and the others (row i to or from rank ``rank + 1 + i % (P - 1)``), each between barriers."""
+    rows = int(megabytes * 1e6) // (2 * d)
+    ws = Workspace(None, dev, rows * d * 2)
+    local = torch.randn(rows, d, device=dev, dtype=torch.bfloat16).view(torch.int64)
+    ws.view(0, tuple(local.shape), torch.int64).copy_(local)
+    i = torch.arange(rows, device=dev)
+    ranks = ((rank + 1 + i % max(world - 1, 1)) % world).to(torch.int32)
+    at, count = i.to(torch.int32), torch.full((1,), rows, dtype=torch.int32, device=dev)
+
+    def pull():
+        ws.barrier()
+        exchange.pull_rows(ws.peers(0), ranks, at, count, local)
+
+    def push():
+        ws.barrier()
+        exchange.push_rows(local, ws.peers(0), ranks, at, count)
+
+    with torch.no_grad():
+        pull_ms, push_ms = _time(ep_exchange.graphed(pull)), _time(ep_exchange.graphed(push))
+    nbytes = rows * d * 2
+    return (f"link rank {rank}: {nbytes / 1e6:.0f} MB to or from {world - 1} ranks: pull {pull_ms:.3f} ms "
+            f"({nbytes / pull_ms / 1e6:.0f} GB/s), push {push_ms:.3f} ms ({nbytes / push_ms / 1e6:.0f} GB/s), "
+            "a barrier included in each")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", nargs="*", default=[])
+    parser.add_argument("--ceiling", type=float, default=0.0)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     dev = torch.device("cuda", rank)
+    if args.ceiling:
+        lines = [None] * world
+        dist.all_gather_object(lines, link_ceiling(args.ceiling, rank, world, dev))
+        if rank == 0:
+            print("\n".join(lines), flush=True)
     for name, T, d, k, E in (("deepep", 4096, 7168, 8, 256), ("mixtral", 8192, 4096, 2, 8)):
         x = torch.randn(T, d, device=dev, dtype=torch.bfloat16)
         ids = draw_topk(T, E, k, "balanced", 0, rank).to(dev)
