@@ -143,8 +143,8 @@ def test_pull_and_push_rows(name):
     assert sum(int((t != -5).any(1).sum()) for t in targets) == pushed, "a row was pushed that should not be"
 
 
-@pytest.mark.parametrize("world, E, k, rank, seed", [(2, 4, 2, 0, 0), (4, 8, 2, 3, 1), (3, 6, 4, 1, 2), (4, 256, 8, 2, 3),
-                                                     (1, 5, 3, 0, 4), (2, 2, 1, 1, 5)])
+@pytest.mark.parametrize("world, E, k, rank, seed", [(2, 4, 2, 0, 0), (4, 8, 2, 3, 1), (3, 6, 4, 1, 2),
+                                                     (4, 256, 8, 2, 3), (1, 5, 3, 0, 4), (2, 2, 1, 1, 5)])
 def test_receive_plan(world, E, k, rank, seed):
     """The receive layout from a random table of counts (zeros included) and random per-copy tables,
     against a loop over the blocks: every row of every output, the rows past the counts included
@@ -155,7 +155,7 @@ def test_receive_plan(world, E, k, rank, seed):
     counts[torch.rand(world, E, generator=gen) < 0.3] = 0
     mine = counts[:, rank * local:(rank + 1) * local].sum(1)
     to_me = (mine + k - 1) // k + torch.randint(0, 2, (world,), generator=gen, dtype=torch.int32)
-    table = torch.cat([counts, torch.zeros(world, facts, dtype=torch.int32), torch.zeros(world, world, dtype=torch.int32)], 1)
+    table = torch.cat([counts, torch.zeros(world, facts + world, dtype=torch.int32)], 1)
     table[:, E + facts + rank] = to_me
     uniques, slots, weights = [], [], []
     for s in range(world):
@@ -163,7 +163,8 @@ def test_receive_plan(world, E, k, rank, seed):
         unique = torch.randint(0, 100, (total + 1,), generator=gen, dtype=torch.int32)
         slot = torch.randint(0, 100, (total + 1,), generator=gen, dtype=torch.int32)
         pairs = torch.randperm(int(to_me[s]) * k, generator=gen)[:int(mine[s])].to(torch.int32)
-        unique[first:first + int(mine[s])], slot[first:first + int(mine[s])] = pairs // k, pairs  # token u, slot u*k + j
+        mine_s = slice(first, first + int(mine[s]))
+        unique[mine_s], slot[mine_s] = pairs // k, pairs  # token u, slot u*k + j
         uniques.append(unique.to(KERNEL_DEVICE))
         slots.append(slot.to(KERNEL_DEVICE))
         weights.append(torch.rand(max(int(to_me[s]) * k, 101), generator=gen).to(KERNEL_DEVICE))
@@ -196,14 +197,16 @@ def test_receive_plan(world, E, k, rank, seed):
     assert plan["stage_place"][:len(stage_src)].tolist() == [p for s in range(world) for p in range(int(to_me[s]))]
 
 
-@pytest.mark.parametrize("T, E, k, world, max_tokens, seed", [(37, 8, 2, 2, 40, 0), (300, 16, 4, 4, 300, 1), (5, 6, 3, 3, 9, 2),
-                                                              (0, 4, 2, 2, 4, 3), (260, 256, 8, 4, 300, 4), (9, 3, 1, 1, 9, 5)])
+@pytest.mark.parametrize("T, E, k, world, max_tokens, seed", [(37, 8, 2, 2, 40, 0), (300, 16, 4, 4, 300, 1),
+                                                              (5, 6, 3, 3, 9, 2), (0, 4, 2, 2, 4, 3),
+                                                              (260, 256, 8, 4, 300, 4), (9, 3, 1, 1, 9, 5)])
 def test_send_plan(T, E, k, world, max_tokens, seed):
     """The published regions and from_ranks against loops over the tokens, with ids outside [0, E) mixed
     in; the regions poisoned (the lists' unused places must keep it)."""
     gen = torch.Generator().manual_seed(seed)
     local = E // world
-    ids = torch.stack([torch.randperm(E + 2, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k, dtype=torch.int64)
+    ids = (torch.stack([torch.randperm(E + 2, generator=gen)[:k] for _ in range(T)]) if T
+           else torch.empty(0, k, dtype=torch.int64))
     ids[ids == E + 1] = -1  # E and -1: no expert
     ids = ids.to(KERNEL_DEVICE)
     weights = torch.rand(T, k, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)

@@ -12,10 +12,11 @@ of rows of ``W`` elements. For i < n (n read on the device):
     sum_and_push:    peers[rank[i]][row[i]] = sum_j scale[c] * src[c]  over c = copies[i, j] < R (fp32, in j order)
 
 In pull_to_copies, ``row(i)`` is ``row[i]``, or with lookup tables the row read from the source rank's
-table (``lookup_peers[rank[i]][row[i]]``, also written to ``lookup_out``); ``scale`` is optional (1 without it) and so are ``y`` and ``dots``. A row whose rank is
-negative is pulled as zeros (its copies are written as zeros) and pushed nowhere. Rows at or past n are
-not touched: the callers size their outputs for the worst case and read the count on the device, so
-nothing waits for the host. Each output element is written by exactly one program.
+table (``lookup_peers[rank[i]][row[i]]``, also written to ``lookup_out``); ``scale`` is optional (1
+without it) and so are ``y`` and ``dots``. A row whose rank is negative is pulled as zeros (its copies
+are written as zeros) and pushed nowhere. Rows at or past n are not touched: the callers size their
+outputs for the worst case and read the count on the device, so nothing waits for the host. Each output
+element is written by exactly one program.
 
 A token that sends several copies to one rank crosses once: pull_to_copies reads its row from the source
 and writes it to each of its copies' rows here, and sum_and_push sums the copies here and stores the one
@@ -189,9 +190,10 @@ def pull_to_copies(peers: torch.Tensor, rank: torch.Tensor, row: torch.Tensor, n
 
     rank, row: int32 ``[U]``; n: int ``[1]`` on the device (at most U); copies: int32 ``[U, K]``, the rows
     of out that take pulled row i (R where a slot holds none; every row of out appears at most once);
-    lookup_peers: int64 ``[P]`` addresses of int32 tables of rows, with lookup_out: int32 ``[U]``; scale: fp32 ``[R]``, each copy's factor; y ``[R, W]`` and dots
-    fp32 ``[R]``: each copy's dot product of the pulled row with its row of y. The peers' regions hold
-    rows of out's dtype. Arguments are not checked: the callers build them.
+    lookup_peers: int64 ``[P]`` addresses of int32 tables of rows, with lookup_out: int32 ``[U]``; scale:
+    fp32 ``[R]``, each copy's factor; y ``[R, W]`` and dots fp32 ``[R]``: each copy's dot product of the
+    pulled row with its row of y. The peers' regions hold rows of out's dtype. Arguments are not checked:
+    the callers build them.
     """
     launch_info(out.device)
     R, W = out.shape

@@ -11,12 +11,13 @@ of 8.
   for each rank the list of tokens it sends there, and its counts (``kernels.exchange_plan.send_plan``).
   Each rank reads the table of counts, works out what it receives (``receive_plan``), then pulls each
   token it gets from a source once and writes it to each of that token's copies' rows (by local expert,
-  each expert's rows in source-rank then sorted order: the layout of the "nccl" backend). The copies are ``[P * T_max * k, d]``, the most a rank can receive; the first
-  ``sum(group_sizes)`` hold them, the rest is left as it was (nothing waits to learn the count).
+  each expert's rows in source-rank then sorted order: the layout of the "nccl" backend). The copies
+  are ``[P * T_max * k, d]``, the most a rank can receive; the first ``sum(group_sizes)`` hold them, the
+  rest is left as it was (nothing waits to learn the count).
 - combine: each expert rank sums the weighted outputs of each token's copies it holds (fp32, rounded
   to y's dtype once) and stores that one row in the token's rank's buffer (one kernel); the token's
-  rank sums the rows from the ranks (fp32, in rank order). With bf16 rows this rounds each rank's partial sum once more than summing all k
-  copies at the source would.
+  rank sums the rows from the ranks (fp32, in rank order). With bf16 rows this rounds each rank's
+  partial sum once more than summing all k copies at the source would.
 - the backward passes are the same moves the other way: dispatch's backward sums each token's copies'
   gradients per rank and pushes them back; combine's backward publishes the output gradient, each expert
   rank pulls each token's row once and gives each copy ``w * grad`` and the dot product with its output
@@ -249,8 +250,9 @@ def dispatch_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, group: dis
         else:
             pull_to_copies(ws.peers(at["tokens"] + part * max_tokens), stage_src, stage_token, staged, inverse, rows)
         out.append(rows.view(t.dtype).view(R, *t.shape[1:]))
-    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank, from_ranks, src_rank, src_pos, received,
-                             row_weight, inverse, stage_src, stage_token, stage_token * world + rank, staged)
+    handle = SymmetricHandle(group, slots, offsets, topk_weights, T, k, max_tokens, world, rank, from_ranks,
+                             src_rank, src_pos, received, row_weight, inverse, stage_src, stage_token,
+                             stage_token * world + rank, staged)
     return out, plan["group_sizes"], handle
 
 
