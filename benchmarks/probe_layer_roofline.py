@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from collections.abc import Callable
 
 import torch
@@ -113,21 +114,40 @@ def idle_gaps(step: Callable[[], object], top: int = 6) -> tuple[float, list[tup
     return sum(g[0] for g in gaps) / 1e3, gaps[:top]
 
 
-def replayed(step: Callable[[], object], stream: torch.cuda.Stream) -> tuple[float, float]:
+def clock_during(fn: Callable[[], object], runs: int = 20) -> float:
+    """The SM clock in MHz (``nvidia-smi``) read while ``runs`` calls of ``fn`` queued back to back are
+    running; NaN if it cannot be read."""
+    for _ in range(runs):
+        fn()
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                                "-i", str(torch.cuda.current_device())], capture_output=True, text=True, timeout=10)
+        mhz = float(query.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        mhz = float("nan")
+    torch.cuda.synchronize()
+    return mhz
+
+
+def replayed(step: Callable[[], object], stream: torch.cuda.Stream) -> dict[str, object]:
     """The step captured in a CUDA graph on ``stream`` (where every earlier step ran: autograd keeps the
-    stream of a parameter's first gradient accumulation): its replay's ms and the GPU's idle ms within
-    one replay; NaN if it cannot be captured."""
+    stream of a parameter's first gradient accumulation): its replay's ms, the SM clock while replays
+    run, the GPU's idle ms within one replay and the replay's kernel time by kind (after a sustained
+    warm-up); NaNs if it cannot be captured."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph, stream=stream):
             step()
     except Exception as error:  # noqa: BLE001 - a failed capture is reported, the probe goes on
         print(f"  capture failed: {str(error).splitlines()[0]}")
-        return float("nan"), float("nan")
+        return {"ms": float("nan"), "clock_mhz": float("nan"), "idle_ms": float("nan"), "kernels_ms": {}}
     ms = events_ms(graph.replay)
+    clock = clock_during(graph.replay)
     idle_ms, _ = idle_gaps(graph.replay)
+    clock_during(graph.replay)
+    kinds, _ = kernel_ms(graph.replay)
     del graph
-    return ms, idle_ms
+    return {"ms": ms, "clock_mhz": clock, "idle_ms": idle_ms, "kernels_ms": kinds}
 
 
 def main() -> None:
@@ -148,20 +168,24 @@ def run(args: argparse.Namespace, stream: torch.cuda.Stream) -> None:
         w = make_weights(cfg, torch.bfloat16, DEV)
         dense = Dense(cfg, w)
         dense_ms = events_ms(dense.step)
+        dense_clock = clock_during(dense.step)
         x = w.x.detach().requires_grad_()
         step = _step(build_dropless(cfg, w), x, w.dy)
         step_ms = events_ms(step)
+        step_clock = clock_during(step)
         kinds, others = kernel_ms(step)
         idle_ms, largest = idle_gaps(step)
-        replay_ms, replay_idle_ms = replayed(step, stream)
+        replay = replayed(step, stream)
+        replay_ms = replay["ms"]
         parts = floor_bytes(cfg)
         memory_ms = sum(parts.values()) / (gbps * 1e9) * 1e3
         router_ms = dense_ms * (3 * 2 * cfg.T * cfg.d * cfg.E) / dense.flops
         floor_ms = dense_ms + router_ms + memory_ms
         row = dict(config=cfg.name, step_ms=step_ms, dense_ms=dense_ms, of_dense=dense_ms / step_ms,
                    dense_tflops=dense.flops / dense_ms / 1e9, copy_gbps=gbps, kernels_ms=kinds, idle_ms=idle_ms,
-                   idle_gaps=largest, replay_ms=replay_ms, replay_idle_ms=replay_idle_ms, other_kernels=others,
-                   replay_of_dense=dense_ms / replay_ms,
+                   idle_gaps=largest, replay_ms=replay_ms, replay_idle_ms=replay["idle_ms"], other_kernels=others,
+                   replay_kernels_ms=replay["kernels_ms"], replay_of_dense=dense_ms / replay_ms,
+                   clock_mhz={"dense": dense_clock, "step": step_clock, "replay": replay["clock_mhz"]},
                    floor_bytes=parts, floor_memory_ms=memory_ms, floor_router_ms=router_ms, floor_ms=floor_ms,
                    floor_of_dense=dense_ms / floor_ms)
         rows.append(row)
@@ -172,7 +196,9 @@ def run(args: argparse.Namespace, stream: torch.cuda.Stream) -> None:
         print(f"  GPU idle within a step {idle_ms:.2f} ms; largest gaps: "
               + "; ".join(f"{us:.0f} us {a} -> {b}" for us, a, b in largest[:3]))
         print(f"  replayed from a CUDA graph: {replay_ms:.2f} ms, {row['replay_of_dense']:.3f} of dense; "
-              f"GPU idle within a replay {replay_idle_ms:.2f} ms")
+              f"GPU idle within a replay {replay['idle_ms']:.2f} ms; kernels a replay (after a sustained warm-up): "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in replay["kernels_ms"].items()))
+        print("  SM clock while running (MHz): " + ", ".join(f"{k} {v:.0f}" for k, v in row["clock_mhz"].items()))
         print("  largest other kernels: " + "; ".join(f"{ms:.3f} {name}" for ms, name in others))
         print(f"  floor {floor_ms:.2f} ms = GEMMs at the dense rate {dense_ms:.2f} + router {router_ms:.2f} "
               f"+ {sum(parts.values()) / 1e9:.2f} GB at {gbps:.0f} GB/s {memory_ms:.2f}: "
