@@ -54,6 +54,18 @@ def _rank_sends(ids_ptr, tokens, T, top_k, local, E, KK: tl.constexpr, PP: tl.co
 
 
 @triton.jit
+def _blocks_sum(counts, limit, PP: tl.constexpr, CHUNK: tl.constexpr):
+    """``[PP]``: the sum of the ``[blocks, PP]`` table's rows below ``limit``."""
+    ranks = tl.arange(0, PP)
+    total = tl.zeros((PP,), dtype=tl.int32)
+    for b0 in range(0, limit, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        total += tl.sum(tl.load(counts + blocks[:, None] * PP + ranks[None, :], mask=blocks[:, None] < limit,
+                                other=0), axis=0)
+    return total
+
+
+@triton.jit
 def _send_counts_kernel(ids_ptr, counts_out, T, top_k, local, E,
                         KK: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -66,11 +78,7 @@ def _send_lists_kernel(ids_ptr, counts, place_out, lists_out, from_ranks_out, T,
                        KK: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     ranks = tl.arange(0, PP)
-    before = tl.zeros((PP,), dtype=tl.int32)
-    for b0 in range(0, pid, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        before += tl.sum(tl.load(counts + blocks[:, None] * PP + ranks[None, :], mask=blocks[:, None] < pid,
-                                 other=0), axis=0)
+    before = _blocks_sum(counts, pid, PP, CHUNK)
     tokens = pid * BLOCK + tl.arange(0, BLOCK)
     sends = _rank_sends(ids_ptr, tokens, T, top_k, local, E, KK, PP)
     place = tl.cumsum(sends, axis=0) - sends + before[None, :]
@@ -106,12 +114,7 @@ def _send_copies_kernel(ids_ptr, slots, weights, place, counts, num_blocks, size
         tl.store(table_out + E + 1, dtype_code)
         tl.store(table_out + E + 2, row_width)
         ranks = tl.arange(0, PP)
-        total = tl.zeros((PP,), dtype=tl.int32)
-        for b0 in range(0, num_blocks, CHUNK):
-            blocks = b0 + tl.arange(0, CHUNK)
-            total += tl.sum(tl.load(counts + blocks[:, None] * PP + ranks[None, :], mask=blocks[:, None] < num_blocks,
-                                    other=0), axis=0)
-        tl.store(table_out + E + 3 + ranks, total, mask=ranks < P)
+        tl.store(table_out + E + 3 + ranks, _blocks_sum(counts, num_blocks, PP, CHUNK), mask=ranks < P)
 
 
 @triton.jit
