@@ -8,7 +8,8 @@ Each layer runs 3 warm-up steps, then 3 profiled steps (``torch.profiler``, CUDA
 the kernels' total over the 3 steps divided by 3, so ms per step. ``--isolated`` profiles 3 more steps,
 each after a barrier and a sync (as ``bench ep`` times them); ``--host`` first runs a step under
 ``torch.cuda.set_sync_debug_mode("error")`` to show where its first host sync is asked for, then one
-profiled on the host.
+profiled on the host, and the host's time of unprofiled isolated steps. ``--main-stream`` runs the shared
+experts on the main stream, after the exchange, instead of beside it on a second stream.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dropless.bench import ep_layer
 from dropless.bench.ep import _layer_step, process_group
+from dropless.nn import moe
 
 
 def main() -> None:
@@ -37,7 +39,10 @@ def main() -> None:
                         help="also profile steps that each start from an idle GPU, after a barrier and a sync, as the "
                              "benchmark times them")
     parser.add_argument("--quick", action="store_true", help="the tiny config (a check that it runs, e.g. on CPUs)")
+    parser.add_argument("--main-stream", action="store_true", help="the shared experts on the main stream")
     args = parser.parse_args()
+    if args.main_stream:
+        moe.__dict__["_side_stream"] = torch.cuda.current_stream
     with process_group() as ranks:
         cfg = (ep_layer.QUICK_CONFIGS if args.quick else ep_layer.CONFIGS)[0]
         cuda = ranks.device.type == "cuda"
@@ -112,13 +117,27 @@ def _host_lines(step, method: str, recipe: str, top: int) -> list[str]:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     torch.distributed.barrier()
+    host, wall = [], []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - start) * 1e3)
+    unprofiled = (f"; unprofiled isolated steps: host {sorted(host)[5]:.2f} ms, wall {sorted(wall)[5]:.2f} ms "
+                  "(medians of 10)")
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         step()
         host_ms = (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    return [f"== {method} {recipe}: {where}; the step's host calls took {host_ms:.1f} ms",
+    return [f"== {method} {recipe}: {where}; the step's host calls took {host_ms:.1f} ms{unprofiled}",
             *(f"{e.self_cpu_time_total / 1e3:8.3f} ms host {e.count:5d}x  {e.key[:100]}" for e in events[:top])]
 
 

@@ -6,7 +6,10 @@ the eager calls (kernels by GPU time, the host's time). ``--blocks BYTES:WARPS:S
 dispatch + combine with the exchange kernels' blocks set to each (bytes of a row a program moves per step,
 warps, bytes a program moves per step). ``--ceiling MB`` first times the link alone, replayed: each rank
 pulls MB of contiguous rows from the other ranks (spread evenly) into its memory, then pushes them back,
-with the exchange's own kernels (the bandwidth a dispatch or combine of that many remote bytes can reach).
+with the exchange's own kernels (the bandwidth a dispatch or combine of that many remote bytes can reach),
+and pulls them with the copy engines (one copy per peer, each on its own stream) for the link's reference.
+Each case's line also gives its wire bytes: a token crosses once to each other rank that holds any of its
+experts, and its combined row crosses back once.
 
     torchrun --nproc-per-node 4 benchmarks/probe_symm_dispatch.py [--blocks 1024:4:8192 2048:4:8192] [--ceiling 100]
 """
@@ -45,9 +48,11 @@ def _with_blocks(spec: str, fn) -> float:
         exchange._BLOCK_BYTES, exchange._NUM_WARPS, exchange._STEP_BYTES = saved
 
 
-def link_ceiling(megabytes: float, rank: int, world: int, dev: torch.device, d: int = 4096) -> str:
+def link_ceiling(megabytes: float, rank: int, world: int, dev: torch.device, specs: list[str],
+                 d: int = 4096) -> str:
     """GB/s of a replayed pull, and of a replayed push, of ``megabytes`` of bf16 rows of width ``d`` between
-    this rank and the others (row i to or from rank ``rank + 1 + i % (P - 1)``), each between barriers."""
+    this rank and the others (row i to or from rank ``rank + 1 + i % (P - 1)``), each between barriers;
+    the pull with each block spec of ``specs``; and a pull of the same bytes by the copy engines."""
     rows = int(megabytes * 1e6) // (2 * d)
     ws = Workspace(None, dev, rows * d * 2)
     local = torch.randn(rows, d, device=dev, dtype=torch.bfloat16).view(torch.int64)
@@ -64,12 +69,33 @@ def link_ceiling(megabytes: float, rank: int, world: int, dev: torch.device, d: 
         ws.barrier()
         exchange.push_rows(local, ws.peers(0), ranks, at, count)
 
+    others = [(rank + 1 + j) % world for j in range(world - 1)]
+    share = rows // len(others)
+    remote = [ws._handle.get_buffer(p, (share, d), torch.bfloat16) for p in others]
+    landing = torch.empty(len(others), share, d, device=dev, dtype=torch.bfloat16)
+    streams = [torch.cuda.Stream(dev) for _ in others]
+
+    def copy_engines():
+        ws.barrier()
+        main = torch.cuda.current_stream()
+        for s, src, dst in zip(streams, remote, landing):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                dst.copy_(src)
+        for s in streams:
+            main.wait_stream(s)
+
     with torch.no_grad():
         pull_ms, push_ms = _time(ep_exchange.graphed(pull)), _time(ep_exchange.graphed(push))
+        blocks = {spec: _with_blocks(spec, pull) for spec in specs}
+        ce_ms = _time(copy_engines)
     nbytes = rows * d * 2
-    return (f"link rank {rank}: {nbytes / 1e6:.0f} MB to or from {world - 1} ranks: pull {pull_ms:.3f} ms "
+    line = (f"link rank {rank}: {nbytes / 1e6:.0f} MB to or from {world - 1} ranks: pull {pull_ms:.3f} ms "
             f"({nbytes / pull_ms / 1e6:.0f} GB/s), push {push_ms:.3f} ms ({nbytes / push_ms / 1e6:.0f} GB/s), "
-            "a barrier included in each")
+            f"copy engines {ce_ms:.3f} ms ({landing.numel() * 2 / ce_ms / 1e6:.0f} GB/s), a barrier included in each")
+    if blocks:
+        line += "; pull blocks " + ", ".join(f"{k} {nbytes / v / 1e6:.0f} GB/s" for k, v in blocks.items())
+    return line
 
 
 def main() -> None:
@@ -83,7 +109,7 @@ def main() -> None:
     dev = torch.device("cuda", rank)
     if args.ceiling:
         lines = [None] * world
-        dist.all_gather_object(lines, link_ceiling(args.ceiling, rank, world, dev))
+        dist.all_gather_object(lines, link_ceiling(args.ceiling, rank, world, dev, args.blocks))
         if rank == 0:
             print("\n".join(lines), flush=True)
     for name, T, d, k, E in (("deepep", 4096, 7168, 8, 256), ("mixtral", 8192, 4096, 2, 8)):
@@ -110,7 +136,15 @@ def main() -> None:
             variants = {spec: _with_blocks(spec, both) for spec in args.blocks}
         copies = int(sizes.sum())
         mb = copies * d * 2 / 1e6
-        line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); eager dispatch {eager_d:.3f} ms, "
+        holder = (ids.long() * world) // E
+        remote = torch.zeros(T, world, dtype=torch.bool, device=dev).scatter_(1, holder, True)
+        remote[:, rank] = False
+        crossing = torch.tensor([int(remote.sum()), int((holder != rank).sum())], device=dev)
+        dist.all_reduce(crossing)
+        wire = 2 * int(crossing[0]) * d * 2 / world
+        line = (f"{name} rank {rank}: {copies} rows received ({mb:.0f} MB); wire both ways {wire / 1e6:.0f} MB a "
+                f"rank on average ({int(crossing[0])} of {int(crossing[1])} remote copies cross, "
+                f"{wire / graphed / 1e6:.0f} GB/s replayed); eager dispatch {eager_d:.3f} ms, "
                 f"combine {eager_c:.3f} ms, both {eager:.3f} ms; graph both {graphed:.3f} ms, "
                 f"dispatch {graphed_d:.3f} ms, combine {graphed_c:.3f} ms")
         if variants:
