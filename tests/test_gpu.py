@@ -27,6 +27,7 @@ from dropless import GroupedLinear, reference
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.kernels import tuning
 from dropless.kernels.launch import hopper_kernels_ok, hopper_wgrad_ok, launch_info
+from dropless.kernels.ragged_m import zeroed_counters
 from dropless.kernels.tuning import hopper_candidates, run_ragged_k, run_ragged_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -324,7 +325,8 @@ def test_decode_classes_take_split_k(monkeypatch):
 @pytest.mark.parametrize("case", list(HOPPER_CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgrad_every_hopper_candidate(dtype, case, config):
-    """Every config the Hopper wgrad tuner may choose, both output layouts, NaN past the last offset."""
+    """Every config the Hopper wgrad tuner may choose, both output layouts, NaN past the last offset; a
+    by-work config leaves its draw counter zeroed for the next launch (the second layout's)."""
     M, K, N, sizes = HOPPER_CASES[case]
     x, dy = _rows_past_end_poisoned(M, K, N, sizes, dtype)
     offsets = offsets_of(sizes, DEVICE)
@@ -335,6 +337,7 @@ def test_wgrad_every_hopper_candidate(dtype, case, config):
         assert hopper_kernels_ok(x, dy, out.transpose(1, 2) if transposed else out)
         run_ragged_k(x, dy, offsets, out, NO_ACCUMULATE, None, config=config)
         assert_experts_close(out, ref, dtype, "dw")
+        assert not zeroed_counters(x.device, 1).any()
 
 
 @needs_sm90

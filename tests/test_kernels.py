@@ -27,7 +27,7 @@ from dropless import reference
 from dropless.kernels import launch, tuning
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE, ragged_k_mm
-from dropless.kernels.ragged_m import ragged_m_mm, split_counters
+from dropless.kernels.ragged_m import ragged_m_mm, zeroed_counters
 from dropless.kernels.tuning import run_ragged_k, run_ragged_m
 from triton.runtime.errors import OutOfResources
 
@@ -354,7 +354,7 @@ def test_ragged_m_split_k(w_layout, M, K, N, sizes, split):
         ragged_m_mm(x, w, offsets_of(sizes, DEVICE), y, config, info)
         assert_rows_close(y, oracle_grouped_mm(x, w, sizes), sizes, torch.float32)
         assert not y.isnan().any()
-        assert not split_counters(y.device, 16).any()
+        assert not zeroed_counters(y.device, 16).any()
 
 
 @pytest.mark.parametrize("mode", ["overwrite", "flagged"])

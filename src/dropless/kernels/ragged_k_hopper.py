@@ -56,6 +56,7 @@ from dropless.kernels.config import GemmConfig
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, next_power_of_2
 from dropless.kernels.hopper import descriptor, group_bounds, post_item, raster, release, stage_barriers, take_item
+from dropless.kernels.ragged_m import zeroed_counters
 from dropless.quantized import GROUP_ALIGN
 
 # By-work schedule: how many drawn tiles the scheduler warp may queue ahead of the loader.
@@ -127,6 +128,10 @@ def _scheduler(tile_ids, tile_ready, tile_empty, counter_ptr, offsets_ptr, M, E,
             post_item(tile_ids, tile_ready, tile_empty, n, group * tiles_per_group + drawn % tiles_per_group, QUEUE)
             n += 1
             drawn = gl.atomic_add(counter_ptr, 1, sem="relaxed")
+        # Every program ends on one draw past the tiles: the program whose draw is the launch's last
+        # sets the counter back to zero for the next launch on the stream (no memset before each).
+        if drawn == total_tiles + gl.num_programs(0) - 1:
+            gl.atomic_xchg(counter_ptr, 0, sem="relaxed")
         post_item(tile_ids, tile_ready, tile_empty, n, -1, QUEUE)
 
 
@@ -359,7 +364,8 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     """Launch on 16-bit ``a [M, K]`` and ``b [M, N]``, int32 ``offsets [E]``, and ``c [E, K, N]`` (N
     contiguous) of a's dtype or fp32, all of which ``launch.hopper_wgrad_ok`` accepts. ``accumulate``
     as in ``ragged_k.ragged_k_mm``: 0 writes, 1 adds, 2 adds where the bool ``flags [E]`` are set.
-    ``config.by_work``: tiles drawn from a counter, largest groups first.
+    ``config.by_work``: tiles drawn from a counter (``ragged_m.zeroed_counters``, left zeroed), largest
+    groups first.
 
     float8_e4m3fn ``a [Mp, K]`` and ``b [Mp, N]`` are quantized per group along the tokens (the module
     docstring's layout: views of ``[K, Mp]`` and ``[N, Mp]`` storage, TMA-readable), c bf16, fp16 or
@@ -375,7 +381,7 @@ def ragged_k_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
         raise ValueError(f"FP8 operands need token steps that divide {GROUP_ALIGN}, got block_m={bm}")
     total_tiles = E * cdiv(K, bk) * cdiv(N, bn)
     grid = (max(1, min(num_programs, total_tiles)), )
-    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if config.by_work else offsets
+    counter = zeroed_counters(a.device, 1) if config.by_work else offsets
     if tokens_major:
         a_desc, b_desc = descriptor(a.t(), [bk, bm]), descriptor(b.t(), [bn, bm])
     else:

@@ -17,7 +17,7 @@ over ``split = min(MAX_SPLIT, programs // tiles, K steps)`` programs, chosen on 
 count, so routings with enough tiles run unsplit. Each part writes its fp32 partial tile into a
 workspace ``[MAX_SPLIT, M, N]`` and counts itself on the tile's counter; the part that arrives last adds
 the partials in split order (the sum does not depend on who arrived first), writes the tile and sets the
-counter back to zero, so the counters (``split_counters``) stay zeroed between launches without a memset.
+counter back to zero, so the counters (``zeroed_counters``) stay zeroed between launches without a memset.
 """
 
 from __future__ import annotations
@@ -114,19 +114,22 @@ def _ragged_m_kernel(
         zero_tail(c, starts, ends, N, stride_cm, stride_cn, E, NUM_PROGRAMS, BLOCK_M, BLOCK_N, E_POW2)
 
 
-_SPLIT_COUNTERS: dict[tuple, torch.Tensor] = {}
+_ZEROED_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def split_counters(device: torch.device, programs: int) -> torch.Tensor:
-    """The int32 tile counters ``[programs]`` of split-K launches on ``device`` and its current stream,
-    zeroed once: each launch leaves them zeroed (a split launch has at most ``programs // 2`` tiles). One
-    set a stream, so launches on two streams never share one; kept for the life of the process, so a CUDA
-    graph that captured a launch reads the same counters at every replay."""
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 counters ``[count]`` on ``device`` for launches on its current stream, zeroed once: every
+    kernel that takes them leaves them zeroed (a split-K launch's tile counters, ``count`` = programs, at
+    most ``programs // 2`` tiles; the weight gradient's draw counter, ``count`` = 1). One set a stream and
+    count, so launches on two streams never share one; kept for the life of the process, so a CUDA graph
+    that captured a launch reads the same counters at every replay."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    key = (device, stream, programs)
-    counters = _SPLIT_COUNTERS.get(key)
+    key = (device, stream, count)
+    counters = _ZEROED_COUNTERS.get(key)
     if counters is None:
-        counters = _SPLIT_COUNTERS[key] = torch.zeros(programs, dtype=torch.int32, device=device)
+        counters = _ZEROED_COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
     return counters
 
 
@@ -159,7 +162,7 @@ def ragged_m_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, c: torc
     num_programs = max(1, min(programs, max_tiles * split))
     if split > 1:
         partials = torch.empty(split, M, N, dtype=torch.float32, device=c.device)
-        counters = split_counters(c.device, programs)
+        counters = zeroed_counters(c.device, programs)
     else:
         partials = counters = offsets
     _ragged_m_kernel[(num_programs,)](

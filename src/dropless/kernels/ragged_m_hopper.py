@@ -41,7 +41,7 @@ from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.hopper import (SHARED_MEMORY_BYTES, descriptor, group_bounds, pick, raster, release, scan_add,
                                     stage_barriers)
 from dropless.kernels.launch import cdiv, next_power_of_2, weight_nk
-from dropless.kernels.ragged_m import split_counters
+from dropless.kernels.ragged_m import zeroed_counters
 
 # The loader is a whole warpgroup (registers are handed out per warpgroup anyway), so the group table
 # it keeps in registers, [E_POW2] vectors, is spread over 128 threads.
@@ -357,7 +357,7 @@ def ragged_m_mm_hopper(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     sa, sb = scales if scales is not None else (c, c)
     if split > 1:
         partials = torch.empty(split, M, N, dtype=torch.float32, device=c.device)
-        counters = split_counters(c.device, num_programs)
+        counters = zeroed_counters(c.device, num_programs)
     else:
         partials = counters = offsets
     # Everything the launch's specialization depends on, for DirectLaunch's per-call key.
