@@ -264,7 +264,6 @@ def test_launchers_write_every_element(case, dtype):
     T, k, E, d, ids = _case(case, device)
     order, sizes = oracle_order(ids.cpu(), E)
     n_valid, M = sum(sizes), T * k
-    slot = torch.tensor(order, dtype=torch.int32, device=device)
     inv = torch.empty(M, dtype=torch.int32)
     inv[torch.tensor(order, dtype=torch.long)] = torch.arange(M, dtype=torch.int32)
     inv = inv.to(device)
@@ -273,12 +272,12 @@ def test_launchers_write_every_element(case, dtype):
     weights = torch.rand(T, k, device=device) + 0.1
 
     out = poisoned((M, d), dtype, device)
-    permute_rows(x, slot, offsets, k, out)
+    permute_rows(x, inv, offsets, k, out)
     assert torch.equal(out.cpu(), oracle_permute(x, order, n_valid, k).to(dtype)), "plain gather"
 
     other = _with_nan_tail(torch.randn(M, d, dtype=dtype, device=device), n_valid)
     out, dw = poisoned((M, d), dtype, device), poisoned((M,), torch.float32, device)
-    permute_rows(x, slot, offsets, k, out, weights, other=other, dweights=dw)
+    permute_rows(x, inv, offsets, k, out, weights, other=other, dweights=dw)
     dys_ref, dw_ref = oracle_unpermute_grads(x, other, order, n_valid, weights)
     assert_close(out, dys_ref, dtype, "weighted gather")
     assert_close(dw.view(T, k), dw_ref, dtype, "dot products")

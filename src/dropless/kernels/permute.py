@@ -5,16 +5,19 @@ M = T*k slots by expert gives the sorted order: sorted row p holds slot ``sorted
 and slot s sits at row ``slot_to_sorted[s]``. Rows ``p >= offsets[E-1]`` belong to no local expert
 (expert-parallel sentinels): they are written as zeros and never read back.
 
-    permute_rows:    out[p] = w[s] * src[s // k]                    (p < offsets[E-1], else 0)
+    permute_rows:    out[slot_to_sorted[s]] = w[s] * src[s // k]     (0 at rows p >= offsets[E-1])
                      dw[s]  = <src[s // k], other[p]>               (optional, fp32, 0 past offsets[E-1])
     unpermute_rows:  out[t] = sum_j w[t, j] * src[slot_to_sorted[t*k + j]]   (valid rows only)
 
-with s = sorted_to_token_slot[p] and w = 1 when no weights are given. permute_rows is permute's
-forward (plain) and unpermute's backward (weighted, with the dot products that make the weights'
-gradient); unpermute_rows is unpermute's forward (weighted) and permute's backward (plain). Each output
+with s = sorted_to_token_slot[p] (so p = slot_to_sorted[s]) and w = 1 when no weights are given.
+permute_rows is permute's forward (plain) and unpermute's backward (weighted, with the dot products
+that make the weights' gradient); unpermute_rows is unpermute's forward (weighted) and permute's backward (plain). Each output
 element is written by exactly one program, with no atomics: the results are deterministic.
 
-Programs own blocks of rows and walk the feature dimension in ``BLOCK_D`` chunks of unit-stride loads.
+Both walk token order: programs own blocks of tokens, so each token row is read once (permute_rows) or
+written once (unpermute_rows) whatever the expert order, and walk the feature dimension in ``BLOCK_D``
+chunks of unit-stride loads. (Walking the sorted rows instead reads each token row k times, from DRAM
+once the tokens outgrow the L2.)
 The number of valid rows is read from ``offsets`` on the device, so nothing waits for the host. Row
 indices are 64-bit before they multiply a stride.
 """
@@ -34,39 +37,45 @@ _NUM_WARPS = 4
 
 @triton.jit
 def _permute_kernel(
-    src, slot_ptr, offsets_ptr, out, w_ptr, other, dw_ptr,
-    M, D, top_k, E,
+    src, inv_ptr, offsets_ptr, out, w_ptr, other, dw_ptr,
+    T, D, top_k, E,
     stride_src_t, stride_src_d, stride_out_m, stride_out_d, stride_other_m, stride_other_d,
     stride_w_t, stride_w_j,
-    WEIGHTED: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    WEIGHTED: tl.constexpr, DOT: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = rows < M
-    slot = tl.load(slot_ptr + rows, mask=in_range, other=0).to(tl.int64)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < T
+    tokens64 = tokens.to(tl.int64)
+    M = T * top_k
     num_valid = tl.load(offsets_ptr + E - 1)
-    # A slot outside [0, M) would index past src: such rows are treated as sentinels.
-    valid = in_range & (rows < num_valid) & (slot >= 0) & (slot < M)
-    token = slot // top_k
-    rows64 = rows.to(tl.int64)
-    if WEIGHTED:
-        w = tl.load(w_ptr + token * stride_w_t + (slot - token * top_k) * stride_w_j,
-                    mask=valid, other=0.0).to(tl.float32)
-    dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    copies = tl.arange(0, K_PAD)
+    dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        row = tl.load(src + token[:, None] * stride_src_t + cols[None, :] * stride_src_d,
-                      mask=valid[:, None] & col_ok[None, :], other=0.0)
-        if DOT:
-            y = tl.load(other + rows64[:, None] * stride_other_m + cols[None, :] * stride_other_d,
-                        mask=valid[:, None] & col_ok[None, :], other=0.0)
-            dot += tl.sum(row.to(tl.float32) * y.to(tl.float32), axis=1)
-        if WEIGHTED:
-            row = row.to(tl.float32) * w[:, None]
-        tl.store(out + rows64[:, None] * stride_out_m + cols[None, :] * stride_out_d,
-                 row.to(out.dtype.element_ty), mask=in_range[:, None] & col_ok[None, :])
+        # Each token's row is read once and stored to each of its k rows.
+        row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
+                      mask=token_ok[:, None] & col_ok[None, :], other=0.0)
+        for j in range(top_k):
+            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
+            # A row outside [0, M) is written by no one; rows past the local experts are written as zeros.
+            pos_ok = token_ok & (pos >= 0) & (pos < M)
+            valid = pos_ok & (pos < num_valid)
+            copy = tl.where(valid[:, None], row, 0.0)
+            if DOT:
+                y = tl.load(other + pos[:, None] * stride_other_m + cols[None, :] * stride_other_d,
+                            mask=valid[:, None] & col_ok[None, :], other=0.0)
+                dot = tl.sum(copy.to(tl.float32) * y.to(tl.float32), axis=1)
+                dots += tl.where(copies[None, :] == j, dot[:, None], 0.0)
+            if WEIGHTED:
+                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0)
+                copy = copy.to(tl.float32) * w.to(tl.float32)[:, None]
+            tl.store(out + pos[:, None] * stride_out_m + cols[None, :] * stride_out_d,
+                     copy.to(out.dtype.element_ty), mask=pos_ok[:, None] & col_ok[None, :])
     if DOT:
-        tl.store(dw_ptr + slot, dot, mask=in_range & (slot >= 0) & (slot < M))
+        tl.store(dw_ptr + tokens64[:, None] * top_k + copies[None, :], dots,
+                 mask=token_ok[:, None] & (copies < top_k)[None, :])
 
 
 @triton.jit
@@ -110,31 +119,34 @@ def _blocks(rows: int, D: int) -> tuple[int, int]:
     return block_rows, block_d
 
 
-def permute_rows(src: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor, top_k: int,
+def permute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: torch.Tensor, top_k: int,
                  out: torch.Tensor, weights: torch.Tensor | None = None, other: torch.Tensor | None = None,
                  dweights: torch.Tensor | None = None) -> None:
     """Write ``out [M, D]`` (sorted rows) from ``src [T, D]`` (token rows); arguments already checked.
 
-    sorted_to_token_slot: int32/int64 ``[M]``, a permutation of ``0..M-1`` with ``M = T*top_k``;
-    offsets: int ``[E]`` cumulative expert ends (only ``offsets[E-1]`` is read, on the device);
-    weights: optional ``[T, top_k]`` scale of each copy. With ``other [M, D]`` and ``dweights``
-    (fp32 ``[M]``, contiguous, indexed by slot), also writes ``dweights[s] = <src[t], other[p]>``.
-    Computes in fp32 when scaling; a plain gather copies the values. No host sync.
+    slot_to_sorted: int32/int64 ``[M]``, the sorted row of each slot ``t*top_k + j``, a permutation of
+    ``0..M-1`` with ``M = T*top_k``; offsets: int ``[E]`` cumulative expert ends (only ``offsets[E-1]``
+    is read, on the device); weights: optional ``[T, top_k]`` scale of each copy. With ``other [M, D]``
+    and ``dweights`` (fp32 ``[M]``, contiguous, indexed by slot), also writes ``dweights[s] = <src[t],
+    other[p]>``. Programs own blocks of tokens: each token row is read once and stored to its top_k
+    rows. Computes in fp32 when scaling; a plain gather copies the values. No host sync.
     """
     launch_info(src.device)
     M, D = out.shape
     if M == 0:
         return
+    T = M // top_k
     dot = other is not None
-    block_m, block_d = _blocks(M, D)
+    block_t, block_d = _blocks(T, D)
     w_arg = weights if weights is not None else src
     other_arg = other if dot else src
-    _permute_kernel[(cdiv(M, block_m),)](
-        src, sorted_to_token_slot, offsets, out, w_arg, other_arg, dweights if dot else out,
-        M, D, top_k, offsets.shape[0],
+    _permute_kernel[(cdiv(T, block_t),)](
+        src, slot_to_sorted, offsets, out, w_arg, other_arg, dweights if dot else out,
+        T, D, top_k, offsets.shape[0],
         src.stride(0), src.stride(1), out.stride(0), out.stride(1),
         other_arg.stride(0), other_arg.stride(1), w_arg.stride(0), w_arg.stride(1),
-        WEIGHTED=weights is not None, DOT=dot, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=_NUM_WARPS,
+        WEIGHTED=weights is not None, DOT=dot, K_PAD=next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=_NUM_WARPS,
     )
 
 

@@ -72,7 +72,7 @@ def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
     sorted_to_token_slot, group_sizes, offsets = sort_by_expert(topk_ids, num_experts)
     k = topk_ids.shape[1]
     x_sorted = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype, device=x.device)
-    permute_rows(x, sorted_to_token_slot, offsets, k, x_sorted)
+    permute_rows(x, _invert(sorted_to_token_slot), offsets, k, x_sorted)
     return x_sorted, sorted_to_token_slot, group_sizes, offsets
 
 
@@ -112,11 +112,12 @@ def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_toke
         dy_sorted, dweights = reference.unpermute_backward(dy, y_sorted, sorted_to_token_slot, w, offsets)
         return dy_sorted, dweights if with_dweights else dy.new_empty(0)
     dy_sorted = torch.empty(M, dy.shape[1], dtype=dy.dtype, device=dy.device)
+    slot_to_sorted = _invert(sorted_to_token_slot)
     if not with_dweights:
-        permute_rows(dy, sorted_to_token_slot, offsets, k, dy_sorted, weights)
+        permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights)
         return dy_sorted, dy.new_empty(0)
     dweights = torch.empty(M, dtype=torch.float32, device=dy.device)
-    permute_rows(dy, sorted_to_token_slot, offsets, k, dy_sorted, weights, other=y_sorted, dweights=dweights)
+    permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights, other=y_sorted, dweights=dweights)
     return dy_sorted, dweights.view(T, k).to(weights.dtype)
 
 
