@@ -92,8 +92,9 @@ def kernel_ms(step: Callable[[], object], steps: int = 3) -> tuple[dict[str, flo
                 else "other GEMMs" if any(k in name for k in OTHER_GEMMS) else "other kernels")
         kinds[kind] += event.device_time / 1e3 / steps
         if kind == "other kernels":
-            others[event.name[:70]] = others.get(event.name[:70], 0.0) + event.device_time / 1e3 / steps
-    return kinds, sorted(((ms, name) for name, ms in others.items()), reverse=True)[:8]
+            short = event.name.replace("void ", "").replace("at::native::", "").replace("(anonymous namespace)::", "")
+            others[short[:110]] = others.get(short[:110], 0.0) + event.device_time / 1e3 / steps
+    return kinds, sorted(((ms, name) for name, ms in others.items()), reverse=True)[:16]
 
 
 def idle_gaps(step: Callable[[], object], top: int = 6) -> tuple[float, list[tuple[float, str, str]]]:

@@ -4,8 +4,9 @@ With bf16 or fp16 ``x`` and ``weight`` on a GPU the product runs on tensor cores
 the product of two 16-bit floats is exact in fp32 and the sums are fp32, so the logits are those of
 the fp32 GEMM of the upcast operands (up to summation order) at a fraction of its cost. The backward
 splits the fp32 gradient into a high and a low 16-bit part (``g = hi + lo`` to about 2^-16 relative)
-and runs both through the same tensor-core GEMMs. Elsewhere the operands are upcast and multiplied
-in fp32 (fp64 stays fp64). Autocast does not apply: the router computes in fp32 under it too.
+and runs both through tensor-core GEMMs (for x's gradient, one GEMM with K = 2E). Elsewhere the
+operands are upcast and multiplied in fp32 (fp64 stays fp64). Autocast does not apply: the router
+computes in fp32 under it too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class _HalfRouterLogits(torch.autograd.Function):
         lo = (grad - hi.float()).to(x.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = (_fp32_mm(hi, weight) + _fp32_mm(lo, weight)).to(x.dtype)
+            # One product over [hi | lo] and [weight; weight]: the two parts summed in the GEMM's fp32
+            # accumulator and rounded once into x's dtype, with no fp32 [T, d] tensor written or added.
+            dx = torch.mm(torch.cat((hi, lo), dim=1), torch.cat((weight, weight), dim=0))
         if ctx.needs_input_grad[1]:
             dw = (_fp32_mm(hi.t(), x) + _fp32_mm(lo.t(), x)).to(weight.dtype)
         return dx, dw
