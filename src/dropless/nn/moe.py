@@ -169,14 +169,6 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, self.d_model)
         routing = self.router(tokens)
         shared, side = None, None
-        if self.shared_experts is not None and self.ep_group is not None and tokens.is_cuda:
-            # The shared experts need no routing: on a second stream they run while the token copies
-            # travel, and their backward (on the same stream) while the gradients travel back.
-            side = _side_stream(tokens.device)
-            side.wait_stream(torch.cuda.current_stream(tokens.device))
-            with torch.cuda.stream(side):
-                shared = self.shared_experts(tokens)
-            tokens.record_stream(side)
         if self.ep_group is None and self.experts_gate_up.recipe is not None:
             # FP8: the permute moves FP8 rows and their scales (the gate/up product quantizes the tokens
             # once and gathers them); the permuted rows are never made in x's dtype.
@@ -198,9 +190,15 @@ class MoE(nn.Module):
             # With a recipe, token rows travel in FP8 (quantized once, at their rank) and the gate/up
             # product reads them as they come.
             recipe = self.experts_gate_up.recipe
+            beside = self.shared_experts is not None and tokens.is_cuda
+            if beside:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(tokens.device))
             rows, group_sizes, handle = dispatch(tokens, routing.expert_ids, routing.weights, self.ep_group,
                                                  num_experts=self.num_experts, recipe=recipe,
                                                  backend=self.ep_backend, max_tokens=self.ep_max_tokens)
+            if beside:
+                shared, side = self._shared_beside(tokens, ready)
             rows, rows_fp8 = rows if recipe is not None else (rows, None)
             # The symmetric-memory backend's rows are sized for the most a rank can receive: the
             # activation computes only the ones received.
@@ -217,6 +215,18 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_loss_coef * routing.aux_loss + self.z_loss_coef * routing.z_loss
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
+
+    def _shared_beside(self, tokens: torch.Tensor, ready: torch.cuda.Event) -> tuple[torch.Tensor, torch.cuda.Stream]:
+        """The shared experts on ``tokens [T, d_model]``, queued on a second stream from ``ready`` on: they
+        need no routing, so they run while the token copies travel, and their backward (on the same
+        stream) while the gradients travel back. Queued after the dispatch, so that the exchange, which
+        every rank waits on, is not held up on the host by their launches."""
+        side = _side_stream(tokens.device)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(tokens)
+        tokens.record_stream(side)
+        return shared, side
 
     def _experts(self, rows: torch.Tensor, group_sizes: torch.Tensor, rows_fp8: QuantizedTensor | None = None,
                  gather: tuple[torch.Tensor, int] | None = None, received: torch.Tensor | None = None
