@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+from conftest import KERNEL_DEVICE
 
+from dropless.kernels.topk import topk_ids
 from dropless.nn.router import TopKRouter
 from dropless.ops.routing import route
 
@@ -39,24 +41,65 @@ def _loop_route(logits, top_k, score_func, renormalize, n_groups=None, topk_grou
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("T,E,k", [(1, 1, 1), (7, 8, 2), (33, 64, 8), (20, 6, 6)])
-def test_route_matches_loop(score_func, renormalize, T, E, k):
+def test_route_matches_loop(score_func, renormalize, T, E, k, backend):
+    _, device = backend
     logits = torch.randn(T, E) * 3
-    routing = route(logits, k, score_func=score_func, renormalize=renormalize, scale=1.5)
+    routing = route(logits.to(device), k, score_func=score_func, renormalize=renormalize, scale=1.5)
     ids, weights = _loop_route(logits, k, score_func, renormalize, scale=1.5)
-    assert torch.equal(routing.expert_ids, ids)
-    torch.testing.assert_close(routing.weights.double(), weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(routing.expert_ids.cpu(), ids)
+    torch.testing.assert_close(routing.weights.double().cpu(), weights, rtol=1e-5, atol=1e-6)
     assert routing.weights.dtype == torch.float32
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
-def test_group_limited_routing_matches_loop(score_func):
+def test_group_limited_routing_matches_loop(score_func, backend):
+    _, device = backend
     T, E, k, n_groups, topk_groups = 25, 16, 4, 4, 2
     logits = torch.randn(T, E) * 2
     bias = torch.randn(E) * 0.1
-    routing = route(logits, k, score_func=score_func, n_groups=n_groups, topk_groups=topk_groups, expert_bias=bias)
+    routing = route(logits.to(device), k, score_func=score_func, n_groups=n_groups, topk_groups=topk_groups,
+                    expert_bias=bias.to(device))
     ids, weights = _loop_route(logits, k, score_func, True, n_groups, topk_groups, bias)
-    assert torch.equal(routing.expert_ids, ids)
-    torch.testing.assert_close(routing.weights.double(), weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(routing.expert_ids.cpu(), ids)
+    torch.testing.assert_close(routing.weights.double().cpu(), weights, rtol=1e-5, atol=1e-6)
+
+
+def _loop_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's k largest, largest first, ties to the lower index, NaN above every number."""
+    def key(row, e):
+        v = row[e].item()
+        return (math.isnan(v), v if not math.isnan(v) else 0.0)
+    return torch.tensor([sorted(range(scores.shape[1]), key=lambda e: key(row, e), reverse=True)[:k]
+                         for row in scores], dtype=torch.int64).view(scores.shape[0], k)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (5, 3, 3), (70, 128, 8), (33, 160, 6), (9, 1024, 4)])
+def test_topk_ids_match_loop(T, E, k):
+    device = KERNEL_DEVICE
+    scores = torch.randn(T, E)
+    # Ties, NaN and -inf (what group-limited routing masks with) in some rows.
+    scores[0, : E // 2] = 0.25
+    if T > 2:
+        scores[1, E // 3] = float("nan")
+        scores[2, : E - 1] = float("-inf")
+    ids = topk_ids(scores.to(device), k)
+    assert ids.dtype == torch.int64 and ids.shape == (T, k)
+    assert torch.equal(ids.cpu(), _loop_topk(scores, k))
+    # Strided rows: a transposed view.
+    strided = scores.t().contiguous().to(device).t()
+    assert torch.equal(topk_ids(strided, k).cpu(), _loop_topk(scores, k))
+
+
+def test_topk_ids_takes_each_expert_once_in_an_all_minus_inf_row():
+    scores = torch.full((2, 6), float("-inf"))
+    scores[1, 4] = 1.0
+    ids = topk_ids(scores.to(KERNEL_DEVICE), 6).cpu()
+    assert ids[0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert ids[1].tolist() == [4, 0, 1, 2, 3, 5]
+
+
+def test_topk_ids_of_no_tokens():
+    assert topk_ids(torch.randn(0, 8, device=KERNEL_DEVICE), 2).shape == (0, 2)
 
 
 def test_expert_bias_steers_the_choice_not_the_weights():

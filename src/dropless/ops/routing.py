@@ -1,7 +1,7 @@
 """Top-k routing of tokens to experts, in fp32, with no host sync.
 
 Everything here is a device-side tensor computation: scores, the (optionally group-limited) top-k
-selection, the renormalized weights, the auxiliary losses and the per-expert token counts (counted by
+selection (one Triton kernel on the Triton backend, ``kernels/topk.py``), the renormalized weights, the auxiliary losses and the per-expert token counts (counted by
 a scatter-add: the bincount op would sync with the host).
 """
 
@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dropless.backend import use_triton
+from dropless.kernels.topk import MAX_E, topk_ids
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -63,7 +66,7 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
     if n_groups is not None:
         choice = _limit_to_groups(choice, n_groups, topk_groups, score_func, top_k)
-    expert_ids = torch.topk(choice, top_k, dim=-1).indices
+    expert_ids = _top_k_ids(choice, top_k)
     weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -77,6 +80,14 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     aux_loss = E * (fraction * probs.mean(dim=0)).sum() if T > 0 else logits.new_zeros(())
     z_loss = torch.logsumexp(logits, dim=-1).square().mean() if T > 0 else logits.new_zeros(())
     return Routing(weights, expert_ids, tokens_per_expert, aux_loss, z_loss)
+
+
+def _top_k_ids(choice: torch.Tensor, top_k: int) -> torch.Tensor:
+    """int64 ``[T, top_k]``: each row's ``top_k`` largest, largest first. fp32 rows of at most ``MAX_E``
+    on the Triton backend take one kernel (ties to the lower index); others ``torch.topk``."""
+    if use_triton(choice.device) and choice.dtype == torch.float32 and choice.shape[1] <= MAX_E:
+        return topk_ids(choice, top_k)
+    return torch.topk(choice, top_k, dim=-1).indices
 
 
 def _limit_to_groups(choice: torch.Tensor, n_groups: int, topk_groups: int | None, score_func: str,
