@@ -92,7 +92,8 @@ def kernel_ms(step: Callable[[], object], steps: int = 3) -> tuple[dict[str, flo
                 else "other GEMMs" if any(k in name for k in OTHER_GEMMS) else "other kernels")
         kinds[kind] += event.device_time / 1e3 / steps
         if kind == "other kernels":
-            short = event.name.replace("void ", "").replace("at::native::", "").replace("(anonymous namespace)::", "")
+            short = event.name.replace("void ", "").replace("at::native::", "")
+            short = short.replace("(anonymous namespace)::", "")
             others[short[:110]] = others.get(short[:110], 0.0) + event.device_time / 1e3 / steps
     return kinds, sorted(((ms, name) for name, ms in others.items()), reverse=True)[:16]
 

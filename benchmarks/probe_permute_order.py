@@ -35,7 +35,8 @@ copy_dst = torch.empty_like(copy_src)
 copy_ms = graphed_ms(lambda: copy_dst.copy_(copy_src))
 copy_gbps = 2 * copy_src.numel() / copy_ms / 1e6
 print(f"copy 1 GiB: {copy_gbps:.0f} GB/s")
-for name, T, d, k, E in (("mixtral", 8192, 4096, 2, 8), ("qwen3", 16384, 2048, 8, 128), ("dsv2lite", 16384, 2048, 6, 64)):
+LAYERS = (("mixtral", 8192, 4096, 2, 8), ("qwen3", 16384, 2048, 8, 128), ("dsv2lite", 16384, 2048, 6, 64))
+for name, T, d, k, E in LAYERS:
     torch.manual_seed(0)
     x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
@@ -59,7 +60,8 @@ for name, T, d, k, E in (("mixtral", 8192, 4096, 2, 8), ("qwen3", 16384, 2048, 8
         ("old plain", lambda: permute_old.permute_rows(x, order, offsets, k, outs[0]), plain_bytes),
         ("new plain", lambda: new.permute_rows(x, inv, offsets, k, outs[1]), plain_bytes),
         ("new plain+invert", lambda: new.permute_rows(x, _invert(order), offsets, k, outs[1]), plain_bytes),
-        ("old dot", lambda: permute_old.permute_rows(x, order, offsets, k, outs[0], w, other=y, dweights=dws[0]), dot_bytes),
+        ("old dot", lambda: permute_old.permute_rows(x, order, offsets, k, outs[0], w, other=y, dweights=dws[0]),
+         dot_bytes),
         ("new dot", lambda: new.permute_rows(x, inv, offsets, k, outs[1], w, other=y, dweights=dws[1]), dot_bytes)):
         ms = graphed_ms(fn)
         row.append(f"{label} {ms * 1e3:.0f} us ({nbytes / ms / 1e6 / copy_gbps:.2f} of copy)")

@@ -92,7 +92,8 @@ def link_ceiling(megabytes: float, rank: int, world: int, dev: torch.device, spe
     nbytes = rows * d * 2
     line = (f"link rank {rank}: {nbytes / 1e6:.0f} MB to or from {world - 1} ranks: pull {pull_ms:.3f} ms "
             f"({nbytes / pull_ms / 1e6:.0f} GB/s), push {push_ms:.3f} ms ({nbytes / push_ms / 1e6:.0f} GB/s), "
-            f"copy engines {ce_ms:.3f} ms ({landing.numel() * 2 / ce_ms / 1e6:.0f} GB/s), a barrier included in each")
+            f"copy engines {ce_ms:.3f} ms ({landing.numel() * 2 / ce_ms / 1e6:.0f} GB/s), "
+            "a barrier included in each")
     if blocks:
         line += "; pull blocks " + ", ".join(f"{k} {nbytes / v / 1e6:.0f} GB/s" for k, v in blocks.items())
     return line

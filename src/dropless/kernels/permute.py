@@ -11,8 +11,9 @@ and slot s sits at row ``slot_to_sorted[s]``. Rows ``p >= offsets[E-1]`` belong 
 
 with s = sorted_to_token_slot[p] (so p = slot_to_sorted[s]) and w = 1 when no weights are given.
 permute_rows is permute's forward (plain) and unpermute's backward (weighted, with the dot products
-that make the weights' gradient); unpermute_rows is unpermute's forward (weighted) and permute's backward (plain). Each output
-element is written by exactly one program, with no atomics: the results are deterministic.
+that make the weights' gradient); unpermute_rows is unpermute's forward (weighted) and permute's
+backward (plain). Each output element is written by exactly one program, with no atomics: the results
+are deterministic.
 
 Both walk token order: programs own blocks of tokens, so each token row is read once (permute_rows) or
 written once (unpermute_rows) whatever the expert order, and walk the feature dimension in ``BLOCK_D``

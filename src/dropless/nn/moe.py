@@ -216,7 +216,8 @@ class MoE(nn.Module):
         self.tokens_per_expert = routing.tokens_per_expert
         return y.reshape(x.shape)
 
-    def _shared_beside(self, tokens: torch.Tensor, ready: torch.cuda.Event) -> tuple[torch.Tensor, torch.cuda.Stream]:
+    def _shared_beside(self, tokens: torch.Tensor,
+                       ready: torch.cuda.Event) -> tuple[torch.Tensor, torch.cuda.Stream]:
         """The shared experts on ``tokens [T, d_model]``, queued on a second stream from ``ready`` on: they
         need no routing, so they run while the token copies travel, and their backward (on the same
         stream) while the gradients travel back. Queued after the dispatch, so that the exchange, which

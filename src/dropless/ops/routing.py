@@ -1,8 +1,9 @@
 """Top-k routing of tokens to experts, in fp32, with no host sync.
 
 Everything here is a device-side tensor computation: scores, the (optionally group-limited) top-k
-selection (one Triton kernel on the Triton backend, ``kernels/topk.py``), the renormalized weights, the auxiliary losses and the per-expert token counts (counted by
-a scatter-add: the bincount op would sync with the host).
+selection (one Triton kernel on the Triton backend, ``kernels/topk.py``), the renormalized weights,
+the auxiliary losses and the per-expert token counts (counted by a scatter-add: the bincount op would
+sync with the host).
 """
 
 from __future__ import annotations
