@@ -98,6 +98,21 @@ def test_topk_ids_takes_each_expert_once_in_an_all_minus_inf_row():
     assert ids[1].tolist() == [4, 0, 1, 2, 3, 5]
 
 
+@pytest.mark.parametrize("E, dtype", [(1100, torch.float32), (16, torch.float64)])
+def test_route_past_the_kernel_falls_back_to_torch(E, dtype, backend, monkeypatch):
+    """Rows wider than the kernel holds, and fp64 rows, take torch.topk on either backend."""
+    _, device = backend
+
+    def refuse(*_):
+        raise AssertionError("the top-k kernel was called")
+
+    monkeypatch.setattr("dropless.ops.routing.topk_ids", refuse)
+    logits = torch.randn(3, E, dtype=dtype) * 3
+    routing = route(logits.to(device), 4)
+    ids, _ = _loop_route(logits, 4, "softmax", True)
+    assert torch.equal(routing.expert_ids.cpu(), ids)
+
+
 def test_topk_ids_of_no_tokens():
     assert topk_ids(torch.randn(0, 8, device=KERNEL_DEVICE), 2).shape == (0, 2)
 
