@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--main-stream", action="store_true", help="the shared experts on the main stream")
     args = parser.parse_args()
     if args.main_stream:
-        moe.__dict__["_side_stream"] = torch.cuda.current_stream
+        moe._side_stream = torch.cuda.current_stream
     with process_group() as ranks:
         cfg = (ep_layer.QUICK_CONFIGS if args.quick else ep_layer.CONFIGS)[0]
         cuda = ranks.device.type == "cuda"
