@@ -9,7 +9,7 @@ the kernels' total over the 3 steps divided by 3, so ms per step. ``--isolated``
 each after a barrier and a sync (as ``bench ep`` times them); ``--host`` first runs a step under
 ``torch.cuda.set_sync_debug_mode("error")`` to show where its first host sync is asked for, then one
 profiled on the host, and the host's time of unprofiled isolated steps. ``--main-stream`` runs the shared
-experts on the main stream, after the exchange, instead of beside it on a second stream.
+experts on the main stream (queued after the dispatch) instead of beside the exchange on a second stream.
 """
 
 from __future__ import annotations
