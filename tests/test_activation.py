@@ -18,6 +18,7 @@ from dropless import reference
 from dropless.kernels import swiglu as swiglu_kernels
 from dropless.kernels.swiglu import glu_backward, glu_forward, glu_forward_quantized
 from dropless.ops.activation import geglu, swiglu
+from dropless.ops.fp8_gradient import attach_fp8_copy, take_fp8_copy
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
 from dropless.ops.quantize import empty_quantized
 from dropless.quantized import E8M0_DTYPE, FP8_DTYPE, QuantizedTensor, Recipe
@@ -516,3 +517,124 @@ def test_compile_quantized_copy(reference_backend):
     loss_eager.backward()
     assert torch.equal(loss, loss_eager) and torch.equal(h1.grad, h2.grad)
     assert torch.equal(raw(data), raw(data_eager)) and torch.equal(raw(scale), raw(scale_eager))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The FP8 copy of dh (grad_recipe=): dropless.quantize(dh, rowwise, dim=-1) bit for bit, from the
+# backward kernel, attached to dh for the product that made h
+
+GRAD_RECIPES = {"rowwise": Recipe("rowwise", None), "rowwise-pow2": Recipe("rowwise", None, pow2=True)}
+
+
+def gradient_and_copy(op, h: torch.Tensor, da: torch.Tensor, grad_recipe: Recipe | None,
+                      **kwargs) -> tuple[torch.Tensor, QuantizedTensor | None]:
+    """dh of ``op(h, grad_recipe=recipe, **kwargs)`` for the upstream gradient ``da``, and the FP8 copy
+    attached to it, taken as the product that made h takes it (h is made in the graph, as that
+    product's output is)."""
+    x = h.detach().clone().requires_grad_()
+    h_in = x * 1.0
+    taken = []
+    product_recipe = grad_recipe or GRAD_RECIPES["rowwise"]
+    h_in.register_hook(lambda g: taken.append((g.detach().clone(), take_fp8_copy(g, product_recipe))))
+    out = op(h_in, grad_recipe=grad_recipe, **kwargs)
+    (out[0] if isinstance(out, tuple) else out).backward(da)
+    ((dh, copy),) = taken
+    return dh, copy
+
+
+def check_gradient_copy(op, h: torch.Tensor, grad_recipe: Recipe, what: str, **kwargs) -> None:
+    """dh is the gradient without a grad_recipe, bit for bit, and its copy ``dropless.quantize(dh)``'s
+    bits on the backend in force and on the reference."""
+    recipe = grad_recipe
+    da = torch.randn(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
+    dh, copy = gradient_and_copy(op, h, da, recipe, **kwargs)
+    plain, none = gradient_and_copy(op, h, da, None, **kwargs)
+    assert none is None and torch.equal(bits(dh), bits(plain)), f"{what}: dh changed"
+    assert copy is not None and copy.recipe == recipe and copy.dim == 1, what
+    expected = dropless.quantize(dh, recipe, dim=-1)
+    assert_same_fp8(copy, expected.data, expected.scale, what)
+    assert_same_fp8(copy, *reference.quantize(dh.cpu(), recipe, 1), f"{what} (reference)")
+
+
+@pytest.mark.parametrize("grad_in_place", [False, True])
+@pytest.mark.parametrize("M, Fh", [(300, 100), (70, 300), (1, 1), (5, 0)])
+@pytest.mark.parametrize("recipe", list(GRAD_RECIPES))
+def test_gradient_copy_is_quantize_of_dh(recipe, M, Fh, grad_in_place, backend):
+    _, device = backend
+    for activation, op in OPS.items():
+        for fp8 in (None, "block128"):  # with and without the forward's own copy
+            h = make_h(M, Fh, torch.bfloat16, device)
+            check_gradient_copy(op, h, GRAD_RECIPES[recipe], f"{activation} {fp8}", grad_in_place=grad_in_place,
+                                recipe=fp8)
+
+
+def test_gradient_copy_of_rows_wider_than_a_tile(triton_backend, monkeypatch):
+    """Rows wider than one tile walk F twice (dh, then its copy from dh read back): at the real step, and
+    at a step of 32 columns ending mid-step, extremes included (NaN, inf, zero rows, outliers)."""
+    h = make_h(3, 4100, torch.bfloat16, triton_backend)
+    check_gradient_copy(swiglu, h, GRAD_RECIPES["rowwise"], "F=4100", grad_in_place=True)
+    monkeypatch.setattr(swiglu_kernels, "_MAX_ROW_BLOCK_F", 32)
+    check_gradient_copy(geglu, make_h(300, 100, torch.bfloat16, triton_backend, "wide"), GRAD_RECIPES["rowwise-pow2"],
+                        "step 32, wide")
+    check_gradient_copy(swiglu, extreme_h(40, 70, torch.float32).to(triton_backend), GRAD_RECIPES["rowwise"],
+                        "step 32, extremes")
+
+
+@pytest.mark.parametrize("n", [0, 29, 70])
+def test_gradient_copy_rows_bound_the_rows_computed(n, triton_backend):
+    """With ``rows``, the copy's first rows[0] rows are the quantization of dh's, as dh's are."""
+    h = make_h(70, 100, torch.bfloat16, triton_backend)
+    da = torch.randn(70, 100, dtype=torch.bfloat16, device=triton_backend)
+    rows = torch.tensor([n], device=triton_backend)
+    dh, copy = gradient_and_copy(swiglu, h, da, GRAD_RECIPES["rowwise"], rows=rows, grad_in_place=True)
+    expected = reference.quantize(dh[:n].cpu(), GRAD_RECIPES["rowwise"], 1)
+    assert_same_fp8(QuantizedTensor(copy.data[:n], copy.scale[:n], copy.recipe, 1), *expected, f"rows {n}")
+
+
+@pytest.mark.parametrize("M, Fh", [(1, 1), (7, 3), (300, 100), (70, 300), (5, 0)])
+def test_gradient_copy_launcher_writes_every_element(M, Fh):
+    """dh inside a larger NaN buffer, data and scale poisoned with NaN bytes: every element written, dh
+    the same bits as without a copy, and nothing written outside dh."""
+    r = GRAD_RECIPES["rowwise"]
+    for activation in OPS:
+        h = make_h(M, Fh, torch.bfloat16, KERNEL_DEVICE, "wide")
+        da = torch.randn(M, Fh, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+        big, dh, window = _padded(M, 2 * Fh, torch.bfloat16)
+        data, scale = empty_quantized((M, 2 * Fh), r, 1, None, KERNEL_DEVICE)
+        raw(data).fill_(POISON[FP8_DTYPE])
+        scale.fill_(float("nan"))
+        glu_backward(h, da, dh, activation, quantized=(data, scale, r))
+        expected = torch.empty_like(dh)
+        glu_backward(h, da, expected, activation)
+        assert torch.equal(bits(dh), bits(expected)), activation
+        assert bool(torch.isnan(big[~window]).all()), "the backward wrote outside dh"
+        assert_same_fp8(QuantizedTensor(data, scale, r, 1), *reference.quantize(dh.cpu(), r, 1), activation)
+
+
+def test_grad_recipe_errors_name_the_argument(backend):
+    _, device = backend
+    h = torch.randn(4, 6, device=device)
+    for bad in ("rowwise", Recipe("block128", 128), Recipe("mxfp8", 32)):
+        with pytest.raises(ValueError, match=r"^grad_recipe must be a rowwise dropless\.Recipe"):
+            swiglu(h, grad_recipe=bad)
+    with pytest.raises(ValueError, match=r"rowwise only"):
+        r = Recipe("block128", 128)
+        glu_backward(h, h[:, :3], torch.empty_like(h), "silu", quantized=(*empty_quantized((4, 6), r, 1, None, device), r))
+
+
+def test_a_gradient_copy_is_taken_only_while_it_holds_the_gradient():
+    """``take_fp8_copy`` returns the copy once, and nothing (dropping it) for a gradient changed since it
+    was attached, a product of another recipe or a copy of another shape."""
+    r, pow2 = GRAD_RECIPES["rowwise"], GRAD_RECIPES["rowwise-pow2"]
+    grad = torch.randn(6, 8)
+    attach_fp8_copy(grad, dropless.quantize(grad, r, dim=-1))
+    copy = take_fp8_copy(grad, r)
+    assert copy is not None and torch.equal(copy.data.float(), dropless.quantize(grad, r, dim=-1).data.float())
+    assert take_fp8_copy(grad, r) is None, "a copy is taken once"
+    attach_fp8_copy(grad, dropless.quantize(grad, r, dim=-1))
+    grad.add_(1.0)
+    assert take_fp8_copy(grad, r) is None, "the gradient changed after the copy"
+    attach_fp8_copy(grad, dropless.quantize(grad, r, dim=-1))
+    assert take_fp8_copy(grad, pow2) is None and take_fp8_copy(grad, r) is None, "another recipe"
+    attach_fp8_copy(grad, dropless.quantize(grad[:5], r, dim=-1))
+    assert take_fp8_copy(grad, r) is None, "another shape"

@@ -218,13 +218,20 @@ def test_moe_fused_activation_gives_the_unfused_bits(device, recipe, config, mon
 
     monkeypatch.setattr(grouped_mm_fp8, "quantize", recording)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    # The fused layer's products quantize nothing along K: the tokens' copies come from the permute
+    # kernel, the activation's from the activation kernel; backward, the down projection's output
+    # gradient from unpermute's kernel and, rowwise, dh from the activation's backward kernel.
     y1 = fused(x1)
-    assert along_k == [D_MODEL], "the down projection quantized the activation again"
+    assert along_k == [], "a product of the fused layer quantized its input again"
     y2 = _unfused_forward(unfused, x2)
-    assert along_k == [D_MODEL, D_MODEL, D_FF]
+    assert along_k == [D_MODEL, D_FF]
     assert_same_bits(y1, y2, "y")
+    along_k.clear()
     (y1 * dy).sum().backward()
+    assert along_k == ([] if recipe == "rowwise" else [2 * D_FF]), "a product quantized its fused gradient again"
+    along_k.clear()
     (y2 * dy).sum().backward()
+    assert sorted(along_k) == [D_MODEL, 2 * D_FF]
     assert_same_bits(x1.grad, x2.grad, "dx")
     grads, expected = _gradients(fused), _gradients(unfused)
     assert grads.keys() == expected.keys() and len(grads) >= 3

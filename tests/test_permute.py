@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 import dropless
 from dropless import reference
 from dropless.kernels.permute import permute_rows, unpermute_rows
-from dropless.ops.permute import permute, unpermute
+from dropless.ops.fp8_gradient import take_fp8_copy
+from dropless.ops.permute import permute, quantize_permuted, unpermute
+from dropless.ops.quantize import empty_quantized
+from dropless.quantized import Recipe
 
 META = torch.device("meta")  # stands in for a second device
 
@@ -294,6 +297,113 @@ def test_launchers_write_every_element(case, dtype):
         unpermute_rows(src, inv, offsets, k, y, weights, bound=torch.tensor([rows], dtype=torch.int32, device=device))
         assert_close(y[:rows], oracle_unpermute(src, order, n_valid, weights)[:rows], dtype, f"bound {rows}")
         assert y[rows:].isnan().all(), f"bound {rows}: rows past it written"
+
+
+# Every option the kernel specializes on; D = 100 and 300 end mid-block for every recipe.
+FP8_RECIPES = {
+    "rowwise": Recipe("rowwise", None),
+    "rowwise-pow2": Recipe("rowwise", None, pow2=True),
+    "block128": Recipe("block128", 128),
+    "mxfp8-rceil": Recipe("mxfp8", 32, mx_rounding="rceil"),
+    "mxfp8-floor": Recipe("mxfp8", 32),
+}
+
+
+def _poisoned_fp8(shape, recipe: Recipe, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``empty_quantized``'s buffers filled with NaN bytes."""
+    data, scale = empty_quantized(shape, recipe, 1, None, device)
+    data.view(torch.uint8).fill_(0x7F)
+    if scale.element_size() == 1:
+        scale.view(torch.uint8).fill_(0xFF)
+    else:
+        scale.fill_(float("nan"))
+    return data, scale
+
+
+def assert_quantize_of(data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, recipe: Recipe, what: str) -> None:
+    """``(data, scale)`` hold ``reference.quantize(rows, recipe, 1)``'s bytes, every one written."""
+    ref_data, ref_scale = reference.quantize(rows.cpu(), recipe, 1)
+    for name, out, ref in (("data", data.cpu(), ref_data), ("scale", scale.cpu(), ref_scale)):
+        out, ref = (out.view(torch.uint8), ref.view(torch.uint8)) if out.element_size() == 1 else (out, ref)
+        bad = out != ref
+        assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} {name} elements differ"
+
+
+@pytest.mark.parametrize("recipe", list(FP8_RECIPES))
+@pytest.mark.parametrize("case", ["k8", "sentinel", "all_sentinel", "t1_k1", "d0"])
+def test_launcher_writes_fp8_copies(case, recipe):
+    """The rows quantized along D, beside them (weighted, with the dot products) or alone (a plain gather):
+    ``reference.quantize`` of the rows, bit for bit, into NaN-poisoned buffers; sentinel rows quantize
+    as zeros. Token rows span many magnitudes, with a zero row and one outlier, and a weight is negative."""
+    device, r = KERNEL_DEVICE, FP8_RECIPES[recipe]
+    T, k, E, _, ids = _case(case, device)
+    d = 0 if case == "d0" else 300
+    order, sizes = oracle_order(ids.cpu(), E)
+    n_valid, M = sum(sizes), T * k
+    inv = torch.empty(M, dtype=torch.int32)
+    inv[torch.tensor(order, dtype=torch.long)] = torch.arange(M, dtype=torch.int32)
+    inv = inv.to(device)
+    offsets = torch.tensor(_cumsum(sizes), dtype=torch.int32, device=device)
+    x = (torch.randn(T, d) * torch.exp2(torch.randint(-20, 20, (T, 1)).float())).to(torch.bfloat16)
+    if T > 1 and d:
+        x[1] = 0.0
+        x[0, d // 3] = 1e4
+    x = x.to(device)
+    weights = torch.rand(T, k, device=device) + 0.1
+    weights[0, 0] = -0.7
+
+    data, scale = _poisoned_fp8((M, d), r, device)
+    permute_rows(x, inv, offsets, k, None, quantized=(data, scale, r))
+    assert_quantize_of(data, scale, oracle_permute(x, order, n_valid, k).to(torch.bfloat16), r, "plain")
+
+    out, dw = poisoned((M, d), torch.bfloat16, device), poisoned((M,), torch.float32, device)
+    other = _with_nan_tail(torch.randn(M, d, dtype=torch.bfloat16, device=device), n_valid)
+    data, scale = _poisoned_fp8((M, d), r, device)
+    permute_rows(x, inv, offsets, k, out, weights, other=other, dweights=dw, quantized=(data, scale, r))
+    dys_ref, dw_ref = oracle_unpermute_grads(x, other, order, n_valid, weights)
+    assert_close(out, dys_ref, torch.bfloat16, "weighted gather")
+    assert_close(dw.view(T, k), dw_ref, torch.bfloat16, "dot products")
+    # The copy is of the rows as the kernel rounded them (the interpreter's rounding is not a GPU's).
+    assert_quantize_of(data, scale, out, r, "weighted")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8-rceil"])
+@pytest.mark.parametrize("case", ["k8", "sentinel", "empty_experts"])
+def test_quantize_permuted_is_quantize_of_permute(case, recipe, backend):
+    """``quantize_permuted``: the bits of ``dropless.quantize(permute(x)[0])`` on either backend, sentinel
+    rows zero, with no permuted rows made."""
+    _, device = backend
+    r = FP8_RECIPES[recipe]
+    T, k, E, d, ids = _case(case, device)
+    x = torch.randn(T, d, dtype=torch.bfloat16, device=device)
+    x_sorted, slot, _, offsets = permute(x, ids, E)
+    q = quantize_permuted(x, slot, offsets, k, r)
+    assert q.recipe == r and q.dim == 1 and q.offsets is None and q.shape == x_sorted.shape
+    assert_quantize_of(q.data, q.scale, x_sorted, r, case)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block128", "mxfp8-floor"])
+@pytest.mark.parametrize("case", ["k8", "sentinel"])
+def test_unpermute_grad_recipe_attaches_the_gradients_copy(case, recipe, backend):
+    """``unpermute(..., grad_recipe=r)``: y_sorted's gradient (the same values as without it) carries its
+    quantization along d (``ops.fp8_gradient``), which the product that made y_sorted takes."""
+    _, device = backend
+    r = FP8_RECIPES[recipe]
+    T, k, E, d, ids = _case(case, device)
+    _, slot, _, offsets = permute(torch.randn(T, d, device=device), ids, E)
+    y_sorted = torch.randn(T * k, d, dtype=torch.bfloat16, device=device, requires_grad=True)
+    weights = (torch.rand(T, k, device=device) + 0.1).requires_grad_()
+    dy = torch.randn(T, d, dtype=torch.bfloat16, device=device)
+    taken = []
+    y_in = y_sorted * 1  # a node between, whose hook sees the gradient unpermute's backward returned
+    y_in.register_hook(lambda g: taken.append((g.clone(), take_fp8_copy(g, r), take_fp8_copy(g, r))))
+    unpermute(y_in, slot, weights, offsets, grad_recipe=r).backward(dy)
+    (grad, copy, again), = taken
+    assert copy is not None and again is None, "the copy is taken once"
+    assert_quantize_of(copy.data, copy.scale, grad, r, case)
+    plain = y_sorted.detach().clone().requires_grad_()
+    unpermute(plain, slot, weights.detach(), offsets).backward(dy)
+    assert torch.equal(grad, plain.grad), "the gradient changed"
 
 
 def test_launcher_without_interpreter_names_the_fix(monkeypatch):

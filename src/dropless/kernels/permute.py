@@ -15,6 +15,14 @@ that make the weights' gradient); unpermute_rows is unpermute's forward (weighte
 backward (plain). Each output element is written by exactly one program, with no atomics: the results
 are deterministic.
 
+permute_rows can also write its rows quantized to FP8 along D (``dropless.quantize(out, recipe,
+dim=-1)``'s bits, from the values as rounded to out's dtype), beside them or instead of them: the FP8
+layer's permuted tokens (no rows in x's dtype made) and the gradient its down projection reads. Blockwise
+scales come from the chunk in registers (BLOCK_D a multiple of the block). A rowwise scale needs the
+whole row first: a first loop takes each token's amax, and a copy's is ``|w|`` times it rounded to out's
+dtype, which is exactly the largest of its rounded elements (rounding is monotone, so it commutes with
+the maximum).
+
 Both walk token order: programs own blocks of tokens, so each token row is read once (permute_rows) or
 written once (unpermute_rows) whatever the expert order, and walk the feature dimension in ``BLOCK_D``
 chunks of unit-stride loads. (Walking the sorted rows instead reads each token row k times, from DRAM
@@ -29,7 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
+from dropless.kernels.fp8_math import block_scale, magnitude, to_fp8
+from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
+from dropless.kernels.quantize import _raw
+from dropless.quantized import Recipe
 
 _MAX_BLOCK_D = 256
 _BLOCK_ELEMENTS = 2048  # rows per program = _BLOCK_ELEMENTS // BLOCK_D
@@ -37,14 +48,28 @@ _NUM_WARPS = 4
 
 
 @triton.jit
+def _copy_scale(amax, w, valid, out_dtype: tl.constexpr, WEIGHTED: tl.constexpr, POW2: tl.constexpr):
+    """The rowwise scale of each copy of a token whose row's largest magnitude is ``amax``: the copy's
+    own largest element as rounded to ``out_dtype`` (``|w| amax`` rounded; 0 for copies not written)."""
+    if WEIGHTED:
+        amax = amax * tl.abs(w)
+    amax = magnitude(tl.where(valid, amax, 0.0).to(out_dtype).to(tl.float32))
+    return block_scale(amax, False, POW2, False)
+
+
+@triton.jit
 def _permute_kernel(
-    src, inv_ptr, offsets_ptr, out, w_ptr, other, dw_ptr,
-    T, D, top_k, E,
+    src, inv_ptr, offsets_ptr, out, w_ptr, other, dw_ptr, data, scale,
+    T, D, top_k, E, SCALE_COLS,
     stride_src_t, stride_src_d, stride_out_m, stride_out_d, stride_other_m, stride_other_d,
-    stride_w_t, stride_w_j,
-    WEIGHTED: tl.constexpr, DOT: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_w_t, stride_w_j, stride_qm, stride_sm,
+    WEIGHTED: tl.constexpr, DOT: tl.constexpr, STORE_ROWS: tl.constexpr, QUANTIZE: tl.constexpr,
+    QBLOCK: tl.constexpr, MX: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """STORE_ROWS: write the rows into ``out``; QUANTIZE: write them quantized along D into ``data`` and
+    ``scale`` (one scale a row when QBLOCK is 0, else one per QBLOCK columns), from the values as rounded
+    to out's dtype (out is only read for its dtype when not STORE_ROWS)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_ok = tokens < T
     tokens64 = tokens.to(tl.int64)
@@ -52,6 +77,13 @@ def _permute_kernel(
     num_valid = tl.load(offsets_ptr + E - 1)
     copies = tl.arange(0, K_PAD)
     dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if QUANTIZE and QBLOCK == 0:
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
+                          mask=token_ok[:, None] & (cols < D)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(magnitude(row.to(tl.float32)), axis=1))
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -69,11 +101,39 @@ def _permute_kernel(
                             mask=valid[:, None] & col_ok[None, :], other=0.0)
                 dot = tl.sum(copy.to(tl.float32) * y.to(tl.float32), axis=1)
                 dots += tl.where(copies[None, :] == j, dot[:, None], 0.0)
+            w = 1.0
             if WEIGHTED:
-                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0)
-                copy = copy.to(tl.float32) * w.to(tl.float32)[:, None]
-            tl.store(out + pos[:, None] * stride_out_m + cols[None, :] * stride_out_d,
-                     copy.to(out.dtype.element_ty), mask=pos_ok[:, None] & col_ok[None, :])
+                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
+                copy = copy.to(tl.float32) * w[:, None]
+            value = copy.to(out.dtype.element_ty)
+            mask = pos_ok[:, None] & col_ok[None, :]
+            if STORE_ROWS:
+                tl.store(out + pos[:, None] * stride_out_m + cols[None, :] * stride_out_d, value, mask=mask)
+            if QUANTIZE:
+                v = value.to(tl.float32)
+                if QBLOCK == 0:
+                    s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
+                    q = to_fp8(v, s[:, None], False, EMULATE_FP8)
+                else:
+                    # Masked elements are 0, so they never raise a block's amax.
+                    v3 = tl.reshape(v, (BLOCK_T, BLOCK_D // QBLOCK, QBLOCK))
+                    s = block_scale(tl.max(magnitude(v3), axis=2), MX, POW2, RCEIL)
+                    q = tl.reshape(to_fp8(v3, s[:, :, None], MX, EMULATE_FP8), (BLOCK_T, BLOCK_D))
+                    blocks = d0 // QBLOCK + tl.arange(0, BLOCK_D // QBLOCK)
+                    tl.store(scale + pos[:, None] * stride_sm + blocks[None, :], s.to(scale.dtype.element_ty),
+                             mask=pos_ok[:, None] & (blocks < SCALE_COLS)[None, :])
+                tl.store(data + pos[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    if QUANTIZE and QBLOCK == 0:
+        # Every row's scale, also where D is 0 (rows of no columns get 1, as dropless.quantize writes it).
+        for j in range(top_k):
+            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
+            pos_ok = token_ok & (pos >= 0) & (pos < M)
+            valid = pos_ok & (pos < num_valid)
+            w = 1.0
+            if WEIGHTED:
+                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
+            s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
+            tl.store(scale + pos * stride_sm, s, mask=pos_ok)
     if DOT:
         tl.store(dw_ptr + tokens64[:, None] * top_k + copies[None, :], dots,
                  mask=token_ok[:, None] & (copies < top_k)[None, :])
@@ -113,40 +173,56 @@ def _unpermute_kernel(
              acc.to(out.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
 
-def _blocks(rows: int, D: int) -> tuple[int, int]:
-    """(rows per program, BLOCK_D): up to 256 contiguous features, about 2048 elements a program."""
-    block_d = min(max(next_power_of_2(D), 16), _MAX_BLOCK_D)
-    block_rows = min(_BLOCK_ELEMENTS // block_d, max(next_power_of_2(rows), 1))
+def _blocks(rows: int, D: int, qblock: int = 0) -> tuple[int, int]:
+    """(rows per program, BLOCK_D): up to 256 contiguous features (a multiple of ``qblock``), about 2048
+    elements a program."""
+    block_d = max(min(max(next_power_of_2(D), 16), _MAX_BLOCK_D), qblock)
+    block_rows = max(min(_BLOCK_ELEMENTS // block_d, max(next_power_of_2(rows), 1)), 1)
     return block_rows, block_d
 
 
 def permute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: torch.Tensor, top_k: int,
-                 out: torch.Tensor, weights: torch.Tensor | None = None, other: torch.Tensor | None = None,
-                 dweights: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None, weights: torch.Tensor | None = None, other: torch.Tensor | None = None,
+                 dweights: torch.Tensor | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor, Recipe] | None = None) -> None:
     """Write ``out [M, D]`` (sorted rows) from ``src [T, D]`` (token rows); arguments already checked.
 
     slot_to_sorted: int32/int64 ``[M]``, the sorted row of each slot ``t*top_k + j``, a permutation of
     ``0..M-1`` with ``M = T*top_k``; offsets: int ``[E]`` cumulative expert ends (only ``offsets[E-1]``
     is read, on the device); weights: optional ``[T, top_k]`` scale of each copy. With ``other [M, D]``
     and ``dweights`` (fp32 ``[M]``, contiguous, indexed by slot), also writes ``dweights[s] = <src[t],
-    other[p]>``. Programs own blocks of tokens: each token row is read once and stored to its top_k
-    rows. Computes in fp32 when scaling; a plain gather copies the values. No host sync.
+    other[p]>``. ``quantized``: ``(data, scale, recipe)``, the rows quantized along D with an activation
+    recipe (``"rowwise"``, ``"block128"``, ``"mxfp8"``), ``dropless.quantize(out, recipe, dim=-1)``'s
+    bits: data float8_e4m3fn ``[M, D]`` with unit column stride, scale ``[M, 1]`` or ``[M, cdiv(D,
+    block)]`` (fp32, or E8M0 for mxfp8) with unit column stride; ``out`` may then be None (the rows are
+    quantized as rounded to src's dtype and not stored). Programs own blocks of tokens: each token row is
+    read once (twice for rowwise scales) and stored to its top_k rows. Computes in fp32 when scaling; a
+    plain gather copies the values. No host sync.
     """
     launch_info(src.device)
-    M, D = out.shape
+    M, D = slot_to_sorted.shape[0], src.shape[1]
     if M == 0:
         return
     T = M // top_k
     dot = other is not None
-    block_t, block_d = _blocks(T, D)
+    data, scale, recipe = quantized if quantized is not None else (None, None, None)
+    qblock = (recipe.block or 0) if recipe is not None else 0
+    block_t, block_d = _blocks(T, D, qblock)
+    rows = out if out is not None else src  # out's dtype rounds the values; src stands in when not stored
     w_arg = weights if weights is not None else src
     other_arg = other if dot else src
+    data_arg = data if data is not None else rows
+    scale_arg = _raw(scale) if scale is not None else rows
     _permute_kernel[(cdiv(T, block_t),)](
-        src, slot_to_sorted, offsets, out, w_arg, other_arg, dweights if dot else out,
-        T, D, top_k, offsets.shape[0],
-        src.stride(0), src.stride(1), out.stride(0), out.stride(1),
+        src, slot_to_sorted, offsets, rows, w_arg, other_arg, dweights if dot else rows, data_arg, scale_arg,
+        T, D, top_k, offsets.shape[0], scale.shape[1] if scale is not None else 0,
+        src.stride(0), src.stride(1), rows.stride(0), rows.stride(1),
         other_arg.stride(0), other_arg.stride(1), w_arg.stride(0), w_arg.stride(1),
-        WEIGHTED=weights is not None, DOT=dot, K_PAD=next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_D=block_d,
+        data_arg.stride(0), scale_arg.stride(0),
+        WEIGHTED=weights is not None, DOT=dot, STORE_ROWS=out is not None, QUANTIZE=recipe is not None,
+        QBLOCK=qblock, MX=recipe is not None and recipe.name == "mxfp8", POW2=recipe is not None and recipe.pow2,
+        RCEIL=recipe is not None and recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
+        K_PAD=next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=_NUM_WARPS,
     )
 

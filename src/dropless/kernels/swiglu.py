@@ -105,6 +105,21 @@ def _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVAT
 
 
 @triton.jit
+def _backward_tile(h_rows, da_rows, out_rows, cols, mask, F, stride_hf, stride_daf, stride_of,
+                   ACTIVATION: tl.constexpr):
+    """Write the tile's ``[dgate | dup]`` columns and return them as written (rounded to out's dtype) in
+    fp32, 0 where masked."""
+    g, u = _load_gate_up(h_rows, cols, mask, F, stride_hf)
+    s = _gate_sigmoid(g, ACTIVATION)
+    d = tl.load(da_rows + cols[None, :] * stride_daf, mask=mask, other=0.0).to(tl.float32)
+    dgate = (d * u * _gate_derivative(g, s, ACTIVATION)).to(out_rows.dtype.element_ty)
+    dup = (d * (g * s)).to(out_rows.dtype.element_ty)
+    tl.store(out_rows + cols[None, :] * stride_of, dgate, mask=mask)
+    tl.store(out_rows + (cols + F)[None, :] * stride_of, dup, mask=mask)
+    return dgate.to(tl.float32), dup.to(tl.float32)
+
+
+@triton.jit
 def _glu_kernel(
     h, da, out, data, scale, rows_ptr,
     M, F, SCALE_COLS,
@@ -115,10 +130,11 @@ def _glu_kernel(
 ):
     """Forward: ``out [M, F] = act(gate) * up``. Backward: ``out [M, 2F] = [dgate | dup]``.
 
-    QUANTIZE (forward): also write ``a`` quantized along F, ``data [M, F]`` (unit column stride) and
-    ``scale [M, SCALE_COLS]`` (fp32, or E8M0 bytes when MX), one scale per QBLOCK columns of a tile
-    (BLOCK_F a multiple of it; QBLOCK = BLOCK_F >= F for a rowwise row in one tile), or, QBLOCK = 0,
-    one per row over F wider than a tile, the program walking its rows twice.
+    QUANTIZE: also write the output quantized along its row, ``data`` (``[M, F]`` forward, ``[M, 2F]``
+    backward; unit column stride) and ``scale [M, SCALE_COLS]`` (fp32, or E8M0 bytes when MX). Forward,
+    one scale per QBLOCK columns of a tile (BLOCK_F a multiple of it; QBLOCK = BLOCK_F >= F for a rowwise
+    row in one tile); backward, rowwise only: one scale over both halves of a row in one tile (QBLOCK =
+    BLOCK_F >= F). QBLOCK = 0: one scale per row wider than a tile, the program walking its rows twice.
 
     HAS_ROWS: only the first ``rows_ptr[0]`` rows (read on the device) are computed; the rest of the
     outputs is not touched.
@@ -136,6 +152,7 @@ def _glu_kernel(
     else:
         row_ok = rows < M
     h_rows = h + rows[:, None] * stride_hm
+    da_rows = da + rows[:, None] * stride_dam
     out_rows = out + rows[:, None] * stride_om
     data_rows = data + rows[:, None] * stride_qm
 
@@ -143,9 +160,14 @@ def _glu_kernel(
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for f0 in range(0, F, BLOCK_F):
             cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
-            a = _forward_tile(h_rows, out_rows, cols, row_ok[:, None] & (cols < F)[None, :], F, stride_hf,
-                              stride_of, ACTIVATION)
-            amax = tl.maximum(amax, tl.max(magnitude(a), axis=1))
+            mask = row_ok[:, None] & (cols < F)[None, :]
+            if BACKWARD:
+                dgate, dup = _backward_tile(h_rows, da_rows, out_rows, cols, mask, F, stride_hf, stride_daf,
+                                            stride_of, ACTIVATION)
+                amax = tl.maximum(amax, tl.maximum(tl.max(magnitude(dgate), axis=1), tl.max(magnitude(dup), axis=1)))
+            else:
+                a = _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVATION)
+                amax = tl.maximum(amax, tl.max(magnitude(a), axis=1))
         s = block_scale(amax, False, POW2, False)
         # The second loop reads back what every thread of the program wrote in the first.
         tl.debug_barrier()
@@ -154,19 +176,23 @@ def _glu_kernel(
             mask = row_ok[:, None] & (cols < F)[None, :]
             a = tl.load(out_rows + cols[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
             tl.store(data_rows + cols[None, :], to_fp8(a, s[:, None], False, EMULATE_FP8), mask=mask)
+            if BACKWARD:
+                dup = tl.load(out_rows + (cols + F)[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
+                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8), mask=mask)
         tl.store(scale + rows * stride_sm, s, mask=row_ok)
     else:
         cols = pid_f.to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
         mask = row_ok[:, None] & (cols < F)[None, :]
         if BACKWARD:
-            g, u = _load_gate_up(h_rows, cols, mask, F, stride_hf)
-            s = _gate_sigmoid(g, ACTIVATION)
-            act = g * s
-            d = tl.load(da + rows[:, None] * stride_dam + cols[None, :] * stride_daf, mask=mask, other=0.0)
-            d = d.to(tl.float32)
-            dgate = d * u * _gate_derivative(g, s, ACTIVATION)
-            tl.store(out_rows + cols[None, :] * stride_of, dgate.to(out.dtype.element_ty), mask=mask)
-            tl.store(out_rows + (cols + F)[None, :] * stride_of, (d * act).to(out.dtype.element_ty), mask=mask)
+            dgate, dup = _backward_tile(h_rows, da_rows, out_rows, cols, mask, F, stride_hf, stride_daf, stride_of,
+                                        ACTIVATION)
+            if QUANTIZE:
+                # The whole row is in the tile (masked elements are 0): one scale over both halves.
+                amax = tl.maximum(tl.max(magnitude(dgate), axis=1), tl.max(magnitude(dup), axis=1))
+                s = block_scale(amax, False, POW2, False)
+                tl.store(data_rows + cols[None, :], to_fp8(dgate, s[:, None], False, EMULATE_FP8), mask=mask)
+                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8), mask=mask)
+                tl.store(scale + rows * stride_sm, s, mask=row_ok)
         else:
             a = _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVATION)
             if QUANTIZE:
@@ -250,10 +276,17 @@ def glu_forward_quantized(h: torch.Tensor, a: torch.Tensor, data: torch.Tensor, 
 
 
 def glu_backward(h: torch.Tensor, da: torch.Tensor, dh: torch.Tensor, activation: str,
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor, Recipe] | None = None) -> None:
     """Write ``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]``, recomputing act from h.
 
     h: ``[M, 2F]``, da: ``[M, F]`` (zero strides allowed: a broadcast gradient), dh: ``[M, 2F]``,
-    any strides; arguments are already checked by the caller.
+    any strides (dh may be h itself: each tile's h is read before its dh is written); arguments are
+    already checked by the caller. ``quantized``: ``(data, scale, recipe)`` with a rowwise recipe: also
+    write dh quantized along 2F, ``dropless.quantize(dh, recipe, dim=-1)``'s bits, data float8_e4m3fn
+    ``[M, 2F]`` (unit column stride), scale fp32 ``[M, 1]``.
     """
-    _launch(h, da, dh, activation, rows=rows)
+    data, scale, recipe = quantized if quantized is not None else (None, None, None)
+    if recipe is not None and recipe.block is not None:
+        raise ValueError(f"glu_backward quantizes dh rowwise only, got recipe {recipe.name!r}")
+    _launch(h, da, dh, activation, data, scale, recipe, rows)

@@ -13,7 +13,7 @@ from dropless.ops.activation import geglu, swiglu
 from dropless.ops.permute import permute, sort_by_expert, unpermute
 from dropless.parallel import combine, dispatch
 from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
-from dropless.quantized import QuantizedTensor, Recipe
+from dropless.quantized import QuantizedTensor, Recipe, operand_recipes
 
 ACTIVATIONS = {"swiglu": swiglu, "geglu": geglu}
 # transformers' softmax top-k routers: Mixtral's always renormalizes, Qwen3-MoE's per norm_topk_prob.
@@ -170,11 +170,13 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         shared, side = None, None
         if self.ep_group is None and self.experts_gate_up.recipe is not None:
-            # FP8: the permute moves FP8 rows and their scales (the gate/up product quantizes the tokens
-            # once and gathers them); the permuted rows are never made in x's dtype.
+            # FP8: the permute writes FP8 rows and their scales (the gate/up product quantizes each token
+            # once and writes its copies); the permuted rows are never made in x's dtype. Backward,
+            # unpermute writes the down projection's output gradient in FP8 too, which its product reads.
             sorted_to_token_slot, group_sizes, offsets = sort_by_expert(routing.expert_ids, self.num_experts)
             y_sorted = self._experts(tokens, group_sizes, gather=(sorted_to_token_slot, self.top_k))
-            y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets)
+            y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets,
+                          grad_recipe=operand_recipes(self.experts_down.recipe)[0])
         elif self.ep_group is None:
             x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids,
                                                                            self.num_experts)
@@ -250,8 +252,11 @@ class MoE(nn.Module):
             with recomputed(a, lambda: activation(h, rows=received)):
                 return self.experts_down(a, group_sizes, tail=tail)
         # The activation kernel also writes its output in FP8 along d_ff, which the down projection's
-        # forward reads instead of quantizing the activation again.
-        a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True, rows=received)
+        # forward reads instead of quantizing the activation again; with rowwise scales, its backward
+        # writes dh in FP8 too, which the gate/up product's backward reads.
+        up_recipe = operand_recipes(self.experts_gate_up.recipe)[0]
+        a, a_fp8 = activation(h, recipe=self.experts_down.recipe, grad_in_place=True, rows=received,
+                              grad_recipe=up_recipe if up_recipe.name == "rowwise" else None)
         return self.experts_down(a, group_sizes, x_quantized=a_fp8, tail=tail)
 
     def expert_parallel(self, group: dist.ProcessGroup | None = None, *, backend: str | None = None,

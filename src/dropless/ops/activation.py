@@ -11,7 +11,9 @@ is read by nothing else in the backward, and the backward's peak holds one ``[M,
 
 With ``recipe=`` they also return ``a`` quantized to FP8 along F, the operand the down projection's FP8
 forward reads, written by the activation kernel from the same read of h (``dropless::glu_quantized``,
-the same backward: the FP8 copy has no gradient).
+the same backward: the FP8 copy has no gradient). With ``grad_recipe=`` (rowwise) the backward kernel
+also writes ``dh`` quantized along 2F, attached to ``dh`` for the FP8 product that made h
+(``ops.fp8_gradient``), which then does not quantize it again.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from dropless.backend import use_triton
 from dropless.kernels.swiglu import glu_backward, glu_forward, glu_forward_quantized
 from dropless.ops.checks import REFERENCE_DTYPES, TRITON_DTYPES, check_matrix, check_row_count, check_tensor
 from dropless.ops.direct import DirectOp
+from dropless.ops.fp8_gradient import attach_fp8_copy
 from dropless.ops.grouped_mm_fp8 import resolve_recipe
 from dropless.ops.quantize import _resolve_recipe, empty_quantized
 from dropless.quantized import QuantizedTensor, Recipe, get_recipe, operand_recipes
 
 
-def _glu(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None) -> torch.Tensor:
+def _glu(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None, quantize_grad: bool,
+         grad_pow2: bool) -> torch.Tensor:
     if not use_triton(h.device):
         return reference.glu(h, activation)
     a = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
@@ -36,12 +40,14 @@ def _glu(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tens
     return a
 
 
-def _glu_fake(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None) -> torch.Tensor:
+def _glu_fake(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None, quantize_grad: bool,
+              grad_pow2: bool) -> torch.Tensor:
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None, recipe: str,
-                   pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None,
+                   quantize_grad: bool, grad_pow2: bool, recipe: str, pow2: bool,
+                   mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(a, data, scale)``: a as ``_glu``, and a quantized along F with the recipe named ``recipe``."""
     r = get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding)
     if not use_triton(h.device):
@@ -54,57 +60,94 @@ def _glu_quantized(h: torch.Tensor, activation: str, grad_in_place: bool, rows: 
 
 
 def _glu_quantized_fake(h: torch.Tensor, activation: str, grad_in_place: bool, rows: torch.Tensor | None,
-                        recipe: str, pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        quantize_grad: bool, grad_pow2: bool, recipe: str, pow2: bool,
+                        mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = h.new_empty(h.shape[0], h.shape[1] // 2)
     return a, *empty_quantized(a.shape, get_recipe(recipe, pow2=pow2, mx_rounding=mx_rounding), 1, None, h.device)
 
 
-def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> torch.Tensor:
-    """``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]`` in h's dtype."""
+def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
+                  quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]`` in h's dtype, and with ``quantize`` dh
+    quantized rowwise along 2F (data, scale; empty ``[0]`` tensors without)."""
+    data, scale = _empty_copy(h, quantize, pow2)
     if not use_triton(h.device):
-        return reference.glu_backward(h, da, activation)
+        dh = reference.glu_backward(h, da, activation)
+        _reference_copy(dh, data, scale, quantize, pow2)
+        return dh, data, scale
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    glu_backward(h, da, dh, activation, rows)
-    return dh
+    glu_backward(h, da, dh, activation, rows, _rowwise(data, scale, quantize, pow2))
+    return dh, data, scale
 
 
-def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> torch.Tensor:
-    return h.new_empty(h.shape)
+def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
+                       quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return h.new_empty(h.shape), *_empty_copy(h, quantize, pow2)
 
 
-def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None) -> None:
-    """``_glu_backward`` written over h: each element pair of h is read before its gradient replaces it
-    (the kernel reads a tile's gate and up columns before it writes theirs)."""
+def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
+                         quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_glu_backward`` written over h (each element pair of h is read before its gradient replaces it:
+    the kernel reads a tile's gate and up columns before it writes theirs); returns the FP8 copy."""
+    data, scale = _empty_copy(h, quantize, pow2)
     if not use_triton(h.device):
         h.copy_(reference.glu_backward(h, da, activation))
+        _reference_copy(h, data, scale, quantize, pow2)
     else:
-        glu_backward(h, da, h, activation, rows)
+        glu_backward(h, da, h, activation, rows, _rowwise(data, scale, quantize, pow2))
         torch.autograd.graph.increment_version(h)  # what saved h sees it changed, as after h.copy_
+    return data, scale
 
 
-def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str,
-                              rows: torch.Tensor | None) -> None:
-    return None
+def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
+                              quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_copy(h, quantize, pow2)
+
+
+def _empty_copy(h: torch.Tensor, quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized rowwise ``(data, scale)`` for dh, or two empty ``[0]`` tensors."""
+    if not quantize:
+        return h.new_empty(0), h.new_empty(0)
+    return empty_quantized(tuple(h.shape), get_recipe("rowwise", pow2=pow2), 1, None, h.device)
+
+
+def _rowwise(data: torch.Tensor, scale: torch.Tensor, quantize: bool,
+             pow2: bool) -> tuple[torch.Tensor, torch.Tensor, Recipe] | None:
+    return (data, scale, get_recipe("rowwise", pow2=pow2)) if quantize else None
+
+
+def _reference_copy(dh: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, quantize: bool, pow2: bool) -> None:
+    if quantize:
+        ref_data, ref_scale = reference.quantize(dh, get_recipe("rowwise", pow2=pow2), 1)
+        data.copy_(ref_data)
+        scale.copy_(ref_scale)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, activation, grad_in_place, rows = inputs[:4]
+    h, activation, grad_in_place, rows, quantize_grad, grad_pow2 = inputs[:6]
     ctx.save_for_backward(h, rows)
     ctx.activation = activation
     ctx.grad_in_place = grad_in_place
+    ctx.grad_recipe = get_recipe("rowwise", pow2=grad_pow2) if quantize_grad else None
     if isinstance(output, tuple):  # glu_quantized: its FP8 copy (data, scale) has no gradient
         ctx.mark_non_differentiable(*output[1:])
 
 
 def _backward(ctx, da: torch.Tensor, *fp8_grads):
     """``dh`` from ``da`` alone; no input after h (the activation, the row count, a recipe) has a
-    gradient. Compiled graphs plan their own buffers: they take the out-of-place op."""
+    gradient. Compiled graphs plan their own buffers and hand nothing between ops: they take the
+    out-of-place op, with no FP8 copy of dh."""
     h, rows = ctx.saved_tensors
-    if ctx.grad_in_place and not torch.compiler.is_compiling():
-        _GLU_BACKWARD_INTO_H(h, da, ctx.activation, rows)
+    compiling = torch.compiler.is_compiling()
+    recipe = ctx.grad_recipe if not compiling else None
+    quantize, pow2 = recipe is not None, recipe is not None and recipe.pow2
+    if ctx.grad_in_place and not compiling:
+        data, scale = _GLU_BACKWARD_INTO_H(h, da, ctx.activation, rows, quantize, pow2)
         dh = h
     else:
-        dh = _GLU_BACKWARD(h, da, ctx.activation, rows)
+        dh, data, scale = _GLU_BACKWARD(h, da, ctx.activation, rows, quantize, pow2)
+    if quantize:
+        attach_fp8_copy(dh, QuantizedTensor(data, scale, recipe, 1))
     return dh, *([None] * (len(ctx.needs_input_grad) - 1))
 
 
@@ -117,7 +160,7 @@ _GLU_BACKWARD_INTO_H = DirectOp.define("glu_backward_into_h", _glu_backward_into
 
 
 def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_in_place: bool,
-           rows: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+           rows: torch.Tensor | None, grad_recipe: Recipe | None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     check_tensor("h", h)
     quantized = recipe is not None
     check_matrix("h", h, 2, TRITON_DTYPES if use_triton(h.device) or quantized else REFERENCE_DTYPES)
@@ -126,16 +169,21 @@ def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_i
                          f"got shape {tuple(h.shape)}")
     if rows is not None:
         check_row_count(rows, h.device, "h")
+    if grad_recipe is not None and (not isinstance(grad_recipe, Recipe) or grad_recipe.name != "rowwise"):
+        raise ValueError(f"grad_recipe must be a rowwise dropless.Recipe (dh is quantized rowwise along 2F), "
+                         f"got {grad_recipe!r}")
+    grad = (grad_recipe is not None, grad_recipe is not None and grad_recipe.pow2)
     if not quantized:
-        return _GLU(h, activation, grad_in_place, rows)
+        return _GLU(h, activation, grad_in_place, rows, *grad)
     act, _ = operand_recipes(resolve_recipe(recipe))
     act = _resolve_recipe(act, None, None)  # its options checked as dropless.quantize checks them
-    a, data, scale = _GLU_QUANTIZED(h, activation, grad_in_place, rows, act.name, act.pow2, act.mx_rounding)
+    a, data, scale = _GLU_QUANTIZED(h, activation, grad_in_place, rows, *grad, act.name, act.pow2, act.mx_rounding)
     return a, QuantizedTensor(data, scale, act, 1)
 
 
 def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False,
-           rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+           rows: torch.Tensor | None = None,
+           grad_recipe: Recipe | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """SwiGLU on the fused gate+up layout: ``a = silu(h[:, :F]) * h[:, F:]``.
 
     Args:
@@ -154,6 +202,10 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place
             the device), as in an expert-parallel buffer sized for the most a rank can receive. Only
             those are computed, forward and backward; the other rows of ``a`` (and of its FP8 copy, and
             of ``dh``) are left unwritten (the reference backend computes them all).
+        grad_recipe: a rowwise ``dropless.Recipe``: the backward kernel also writes ``dh`` quantized
+            along 2F with it (``dropless.quantize(dh, grad_recipe, dim=-1)``'s bits), attached to dh for
+            the FP8 grouped GEMM that made h, whose backward then reads it instead of quantizing dh
+            (``ops.fp8_gradient``). Eager only: a compiled backward quantizes dh in the product.
     Returns:
         ``a [M, F]`` in h's dtype, computed in fp32. Differentiable in h: ``dh [M, 2F]`` in h's
         dtype, recomputed from h in the backward. With a recipe, ``(a, a_fp8)``: ``a_fp8`` is the
@@ -162,15 +214,16 @@ def swiglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place
         (rowwise) or ``[M, cdiv(F, block)]``, fp32 or float8_e8m0fnu (mxfp8); it carries no gradient.
         No host sync.
     """
-    return _gated(h, "silu", recipe, grad_in_place, rows)
+    return _gated(h, "silu", recipe, grad_in_place, rows, grad_recipe)
 
 
 def geglu(h: torch.Tensor, *, recipe: str | Recipe | None = None, grad_in_place: bool = False,
-          rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+          rows: torch.Tensor | None = None,
+          grad_recipe: Recipe | None = None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     """GeGLU (tanh approximation) on the fused gate+up layout: ``a = gelu_tanh(h[:, :F]) * h[:, F:]``.
 
     ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, as
     ``torch.nn.functional.gelu(g, approximate="tanh")``. Shapes, dtypes, layouts, the FP8 copy with a
-    ``recipe``, ``grad_in_place``, ``rows`` and the gradient as ``swiglu``.
+    ``recipe``, ``grad_in_place``, ``rows``, ``grad_recipe`` and the gradient as ``swiglu``.
     """
-    return _gated(h, "gelu_tanh", recipe, grad_in_place, rows)
+    return _gated(h, "gelu_tanh", recipe, grad_in_place, rows, grad_recipe)

@@ -30,7 +30,8 @@ from dropless.kernels.launch import cdiv, weight_nk
 from dropless.kernels.ragged_k import ACCUMULATE_ALL, ACCUMULATE_FLAGGED, NO_ACCUMULATE
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_launch import launch_ragged_k_fp8, launch_ragged_m_fp8
-from dropless.ops.permute import sum_copies
+from dropless.ops.fp8_gradient import take_fp8_copy
+from dropless.ops.permute import quantize_permuted, sum_copies
 from dropless.ops.quantize import check_quantized, quantize, quantize_weight
 from dropless.quantized import GROUP_ALIGN, QuantizedTensor, Recipe, get_recipe, operand_recipes
 
@@ -127,29 +128,14 @@ def quantized_wgrad(xq: QuantizedTensor, dyq: QuantizedTensor, offsets: torch.Te
     return out
 
 
-def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``t[rows]`` for FP8 data and scales, one-byte ones moved as bytes (index ops take no float8)."""
-    if t.element_size() != 1:
-        return t.index_select(0, rows)
-    return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
-
-
-def _gather_rows_fake(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return t.new_empty(rows.shape[0], *t.shape[1:])
-
-
-# A custom op, so that compiled graphs keep it whole (inductor has no code for e8m0 scales on the CPU).
-GATHER_ROWS = DirectOp.define("fp8_gather_rows", _gather_rows, _gather_rows_fake)
-
-
-def _gathered_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, rows: torch.Tensor, along_tokens: bool
-                         ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
-    """``x[rows]`` quantized along K (x's T rows quantized once, their FP8 rows and scales gathered) and,
-    where asked, per group along the tokens (each row read by index); ``x[rows]`` itself is never made."""
-    tokens = quantize(x, act, dim=1)
-    data, scale = GATHER_ROWS(tokens.data, rows), GATHER_ROWS(tokens.scale, rows)
-    along = quantize(x, act, dim=0, offsets=offsets, rows=rows, tail=False) if along_tokens else None
-    return QuantizedTensor(data, scale, act, 1), along
+def _gathered_activation(x: torch.Tensor, act: Recipe, offsets: torch.Tensor, slots: torch.Tensor, top_k: int,
+                         along_tokens: bool) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """permute's rows of x (``x[slots // top_k]``) quantized along K (one kernel reads each token once and
+    writes its FP8 copies) and, where asked, per group along the tokens (each row read by index); the
+    permuted rows in x's dtype are never made."""
+    along_k = quantize_permuted(x, slots, offsets, top_k, act)
+    along = quantize(x, act, dim=0, offsets=offsets, rows=slots // top_k, tail=False) if along_tokens else None
+    return along_k, along
 
 
 class Fp8GroupedMM(torch.autograd.Function):
@@ -177,9 +163,8 @@ class Fp8GroupedMM(torch.autograd.Function):
                 xq_data=None, xq_scale=None, slots=None, top_k=None, tail=True):
         act, _ = operand_recipes(recipe)
         wants_wgrad = ctx.needs_input_grad[1] or main_grad is not None
-        rows = None if slots is None else slots // top_k
-        if rows is not None:
-            xq, xt = _gathered_activation(x, act, offsets, rows, wants_wgrad)
+        if slots is not None:
+            xq, xt = _gathered_activation(x, act, offsets, slots, top_k, wants_wgrad)
         else:
             xq = quantize(x, act, dim=1, offsets=offsets, tail=False) if xq_data is None else None
             xt = None
@@ -208,15 +193,17 @@ class Fp8GroupedMM(torch.autograd.Function):
         offsets, wn_data, wn_scale, accumulate, xt_data, xt_scale = ctx.saved_tensors
         recipe = ctx.recipe
         act, weights = operand_recipes(recipe)
+        dyq = take_fp8_copy(dy, act)
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = quantize(dy, act, dim=1, offsets=offsets, tail=False)
+            if dyq is None:
+                dyq = quantize(dy, act, dim=1, offsets=offsets, tail=False)
             wn = swap_weight(QuantizedTensor(wn_data, wn_scale, weights, 2))
             dx = RAGGED_M(dyq.data, dyq.scale, wn.data, wn.scale, offsets, recipe.name, dy.dtype, ctx.tail)
             if ctx.slots is not None:
                 dx = sum_copies(dx, ctx.slots, offsets, ctx.tokens)
-            del dyq
+        del dyq  # freed before the weight gradient's copies are made
         if ctx.wants_wgrad:
             xt = QuantizedTensor(xt_data, xt_scale, act, 0, offsets, dy.shape[0])
             runs = column_runs(xt.shape[1], dy.shape[1])

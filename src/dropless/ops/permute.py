@@ -32,6 +32,9 @@ from dropless.ops.checks import (
     validate_offsets,
 )
 from dropless.ops.direct import DirectOp
+from dropless.ops.fp8_gradient import attach_fp8_copy
+from dropless.ops.quantize import _recipe_of, empty_quantized
+from dropless.quantized import QuantizedTensor, Recipe
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_ROWS = 2**31 - 1  # sorted_to_token_slot and offsets are int32
@@ -82,9 +85,16 @@ def _permute_fake(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
             topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(num_experts, dtype=torch.int32))
 
 
+def _recipe_args(recipe: Recipe | None) -> tuple[str | None, bool, str]:
+    """A recipe as the custom ops take it: name (None for no recipe), pow2, mx_rounding."""
+    return (recipe.name, recipe.pow2, recipe.mx_rounding) if recipe is not None else (None, False, "floor")
+
+
 def _unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
-               offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``y [T, d]``; ``weights=None`` sums the copies unweighted (permute's backward)."""
+               offsets: torch.Tensor, num_tokens: int, grad_recipe: str | None, pow2: bool,
+               mx_rounding: str) -> torch.Tensor:
+    """``y [T, d]``; ``weights=None`` sums the copies unweighted (permute's backward). ``grad_recipe``
+    (and its options) is read by the backward only."""
     k = _top_k(weights, y_sorted.shape[0], num_tokens)
     if not use_triton(y_sorted.device):
         w = weights if weights is not None else y_sorted.new_ones(num_tokens, k)
@@ -95,38 +105,70 @@ def _unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weigh
 
 
 def _unpermute_fake(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor | None,
-      offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+                    offsets: torch.Tensor, num_tokens: int, grad_recipe: str | None, pow2: bool,
+                    mx_rounding: str) -> torch.Tensor:
     return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
 
 
 def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
-                        weights: torch.Tensor | None, offsets: torch.Tensor,
-                        need_dweights: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dy_sorted [T*k, d]`` in dy's dtype and ``dweights [T, k]`` in weights' dtype (an empty
-    ``[0]`` tensor unless ``need_dweights`` and weights are given)."""
+                        weights: torch.Tensor | None, offsets: torch.Tensor, need_dweights: bool,
+                        grad_recipe: str | None, pow2: bool, mx_rounding: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dy_sorted [T*k, d]`` in dy's dtype, ``dweights [T, k]`` in weights' dtype (an empty ``[0]``
+    tensor unless ``need_dweights`` and weights are given) and, with ``grad_recipe``, dy_sorted
+    quantized along d (data, scale; empty ``[0]`` tensors without), from the same kernel."""
     T, M = dy.shape[0], sorted_to_token_slot.shape[0]
     k = _top_k(weights, M, T)
     with_dweights = need_dweights and weights is not None
+    recipe = _recipe_of(grad_recipe, pow2, mx_rounding) if grad_recipe is not None else None
     if not use_triton(dy.device):
         w = weights if weights is not None else dy.new_ones(T, k)
         dy_sorted, dweights = reference.unpermute_backward(dy, y_sorted, sorted_to_token_slot, w, offsets)
-        return dy_sorted, dweights if with_dweights else dy.new_empty(0)
+        data, scale = reference.quantize(dy_sorted, recipe, 1) if recipe is not None else (dy.new_empty(0), dy.new_empty(0))
+        return dy_sorted, dweights if with_dweights else dy.new_empty(0), data, scale
     dy_sorted = torch.empty(M, dy.shape[1], dtype=dy.dtype, device=dy.device)
+    data, scale = (empty_quantized(dy_sorted.shape, recipe, 1, None, dy.device) if recipe is not None
+                   else (dy.new_empty(0), dy.new_empty(0)))
+    quantized = (data, scale, recipe) if recipe is not None else None
     slot_to_sorted = _invert(sorted_to_token_slot)
     if not with_dweights:
-        permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights)
-        return dy_sorted, dy.new_empty(0)
+        permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights, quantized=quantized)
+        return dy_sorted, dy.new_empty(0), data, scale
     dweights = torch.empty(M, dtype=torch.float32, device=dy.device)
-    permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights, other=y_sorted, dweights=dweights)
-    return dy_sorted, dweights.view(T, k).to(weights.dtype)
+    permute_rows(dy, slot_to_sorted, offsets, k, dy_sorted, weights, other=y_sorted, dweights=dweights,
+                 quantized=quantized)
+    return dy_sorted, dweights.view(T, k).to(weights.dtype), data, scale
 
 
 def _unpermute_backward_fake(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor,
-      weights: torch.Tensor | None, offsets: torch.Tensor, need_dweights: bool):
+                             weights: torch.Tensor | None, offsets: torch.Tensor, need_dweights: bool,
+                             grad_recipe: str | None, pow2: bool, mx_rounding: str):
     dy_sorted = dy.new_empty(sorted_to_token_slot.shape[0], dy.shape[1])
-    if need_dweights and weights is not None:
-        return dy_sorted, weights.new_empty(weights.shape)
-    return dy_sorted, dy.new_empty(0)
+    dweights = weights.new_empty(weights.shape) if need_dweights and weights is not None else dy.new_empty(0)
+    if grad_recipe is None:
+        return dy_sorted, dweights, dy.new_empty(0), dy.new_empty(0)
+    return dy_sorted, dweights, *empty_quantized(dy_sorted.shape, _recipe_of(grad_recipe, pow2, mx_rounding), 1,
+                                                 None, dy.device)
+
+
+def _quantize_permuted(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor, top_k: int,
+                       recipe: str, pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of permute's rows of x quantized along d (zero rows at or past ``offsets[-1]``)."""
+    r = _recipe_of(recipe, pow2, mx_rounding)
+    M = sorted_to_token_slot.shape[0]
+    if not use_triton(x.device):
+        rows = x.index_select(0, sorted_to_token_slot.long() // top_k)
+        valid = torch.arange(M, device=x.device) < offsets[-1:]
+        return reference.quantize(torch.where(valid[:, None], rows, 0), r, 1)
+    data, scale = empty_quantized((M, x.shape[1]), r, 1, None, x.device)
+    permute_rows(x, _invert(sorted_to_token_slot), offsets, top_k, None, quantized=(data, scale, r))
+    return data, scale
+
+
+def _quantize_permuted_fake(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+                            top_k: int, recipe: str, pow2: bool, mx_rounding: str):
+    return empty_quantized((sorted_to_token_slot.shape[0], x.shape[1]), _recipe_of(recipe, pow2, mx_rounding), 1,
+                           None, x.device)
 
 
 def _permute_setup_context(ctx, inputs, output) -> None:
@@ -142,17 +184,23 @@ def _permute_bwd(ctx, dx_sorted, *_):
 
 
 def _unpermute_setup_context(ctx, inputs, output) -> None:
-    y_sorted, sorted_to_token_slot, weights, offsets, _ = inputs
+    y_sorted, sorted_to_token_slot, weights, offsets, _, *grad_recipe = inputs
     ctx.save_for_backward(y_sorted, sorted_to_token_slot, weights, offsets)
+    ctx.grad_recipe = grad_recipe
 
 
 def _unpermute_bwd(ctx, dy):
     y_sorted, sorted_to_token_slot, weights, offsets = ctx.saved_tensors
     need_dweights = ctx.needs_input_grad[2]
-    dy_sorted, dweights = _UNPERMUTE_BACKWARD(dy, y_sorted, sorted_to_token_slot, weights, offsets,
-                                              need_dweights)
+    # A compiled graph plans its own buffers and hands nothing between its ops: no copy for it.
+    name, pow2, mx_rounding = ctx.grad_recipe
+    name = None if torch.compiler.is_compiling() or not ctx.needs_input_grad[0] else name
+    dy_sorted, dweights, data, scale = _UNPERMUTE_BACKWARD(dy, y_sorted, sorted_to_token_slot, weights, offsets,
+                                                           need_dweights, name, pow2, mx_rounding)
+    if name is not None:
+        attach_fp8_copy(dy_sorted, QuantizedTensor(data, scale, _recipe_of(name, pow2, mx_rounding), 1))
     return (dy_sorted if ctx.needs_input_grad[0] else None, None,
-            dweights if need_dweights else None, None, None)
+            dweights if need_dweights else None, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
 _PERMUTE = DirectOp.define("permute", _permute, _permute_fake, backward=_permute_bwd,
@@ -160,6 +208,7 @@ _PERMUTE = DirectOp.define("permute", _permute, _permute_fake, backward=_permute
 _UNPERMUTE = DirectOp.define("unpermute", _unpermute, _unpermute_fake, backward=_unpermute_bwd,
                              setup_context=_unpermute_setup_context)
 _UNPERMUTE_BACKWARD = DirectOp.define("unpermute_backward", _unpermute_backward, _unpermute_backward_fake)
+_QUANTIZE_PERMUTED = DirectOp.define("quantize_permuted", _quantize_permuted, _quantize_permuted_fake)
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -209,11 +258,11 @@ def sum_copies(rows: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: 
     order, ``sorted_to_token_slot`` and ``offsets`` as permute returns them (rows at or past
     ``offsets[-1]`` add nothing); ``[T, d]`` in rows' dtype, summed in fp32 in slot order. Arguments are
     not checked: the callers hold permute's own outputs."""
-    return _UNPERMUTE(rows, sorted_to_token_slot, None, offsets, num_tokens)
+    return _UNPERMUTE(rows, sorted_to_token_slot, None, offsets, num_tokens, *_recipe_args(None))
 
 
 def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weights: torch.Tensor,
-              offsets: torch.Tensor) -> torch.Tensor:
+              offsets: torch.Tensor, *, grad_recipe: Recipe | None = None) -> torch.Tensor:
     """Weighted sum of each token's expert outputs: ``y[t] = sum_j weights[t, j] * y_sorted[p(t*k + j)]``.
 
     Args:
@@ -223,6 +272,9 @@ def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weight
         weights: ``[T, k]`` router weights of the copies, any float dtype and strides.
         offsets: int32/int64 ``[E]`` from ``permute``; the rows at or past ``offsets[-1]`` (sentinel
             copies) contribute nothing, whatever y_sorted holds there. Read on the device.
+        grad_recipe: an FP8 activation recipe (``dropless.Recipe``): the backward also writes
+            y_sorted's gradient quantized along d with it, from the same kernel, for the FP8 product
+            that made y_sorted (``ops.fp8_gradient``): that product's backward then does not quantize it.
     Returns:
         ``y [T, d]`` in y_sorted's dtype, summed in fp32 in slot order (deterministic).
 
@@ -245,4 +297,16 @@ def unpermute(y_sorted: torch.Tensor, sorted_to_token_slot: torch.Tensor, weight
         raise ValueError("offsets must hold at least one expert (shape [E] with E >= 1), got shape (0,)")
     check_same_device(y_sorted.device, sorted_to_token_slot=sorted_to_token_slot, weights=weights, offsets=offsets)
     validate_offsets(offsets, T * k)
-    return _UNPERMUTE(y_sorted, sorted_to_token_slot, weights, offsets, T)
+    return _UNPERMUTE(y_sorted, sorted_to_token_slot, weights, offsets, T, *_recipe_args(grad_recipe))
+
+
+def quantize_permuted(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor, top_k: int,
+                      recipe: Recipe) -> QuantizedTensor:
+    """``permute``'s rows of the tokens ``x [T, d]`` quantized along d with the activation recipe
+    ``recipe``, the rows themselves never made: ``dropless.quantize(x_sorted, recipe, dim=-1)``'s bits,
+    the rows at or past ``offsets[-1]`` (sentinel copies) zero. One kernel reads each token once and
+    writes its top_k FP8 copies. ``sorted_to_token_slot`` and ``offsets`` as permute returns them;
+    arguments are not checked (the callers hold permute's own outputs)."""
+    data, scale = _QUANTIZE_PERMUTED(x, sorted_to_token_slot, offsets, top_k, recipe.name, recipe.pow2,
+                                     recipe.mx_rounding)
+    return QuantizedTensor(data, scale, recipe, 1)
