@@ -92,7 +92,7 @@ def to_e4m3(y, EMULATE_FP8: tl.constexpr):
 
 
 @triton.jit
-def quotient(v, scale):
+def quotient(v, scale, outside=None):
     """``v / scale`` correctly rounded (``div_rn``), for a ``scale`` that broadcasts to ``v`` and is shared
     by many elements: its reciprocal ``r`` once (``div_rn``, correctly rounded), then per element the
     product ``q = v r`` and Markstein's correction ``q + (v - q scale) r`` with the remainder exact by
@@ -100,25 +100,35 @@ def quotient(v, scale):
     1990): three operations an element instead of a division's ten and a branch. A remainder of zero keeps
     q (its signed zero), a NaN one comes from an infinite v, whose q is the quotient. Scales outside
     ``[2**-90, 2**100]`` (a reciprocal past the normal range, or remainders that could be subnormal for
-    the quotients e4m3 can tell apart) send the whole call to the division."""
+    the quotients e4m3 can tell apart) send the whole call to the division. ``outside``: whether any
+    scale the caller will pass is outside that range (``scales_outside``), known beforehand; a kernel
+    that quantizes many tiles with scales known up front then skips the reduction over each tile."""
     s = tl.broadcast_to(scale, v.shape)
     r = tl.broadcast_to(tl.math.div_rn(1.0, scale), v.shape)
     q = v * r
     rem = tl.math.fma(-q, s, v)
     y = tl.where((rem == 0.0) | (rem != rem), q, tl.math.fma(rem, r, q))
-    outside = ((scale < QUOTIENT_LOW) | (scale > QUOTIENT_HIGH)).to(tl.int32)
-    if outside.type.is_block():
-        outside = tl.max(tl.reshape(outside, [outside.numel]), axis=0)
+    if outside is None:
+        outside = scales_outside(scale)
     if outside > 0:
         y = tl.math.div_rn(v, s)
     return y
 
 
 @triton.jit
-def to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
+def scales_outside(scale):
+    """1 if any of ``scale`` lies outside the range ``quotient`` divides by without ``div_rn``, else 0."""
+    outside = ((scale < QUOTIENT_LOW) | (scale > QUOTIENT_HIGH)).to(tl.int32)
+    if outside.type.is_block():
+        outside = tl.max(tl.reshape(outside, [outside.numel]), axis=0)
+    return outside
+
+
+@triton.jit
+def to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr, outside=None):
     """``e4m3(clamp(v / scale))`` for fp32 ``v`` and a ``scale`` that broadcasts to it (fp32, or a biased
     E8M0 exponent when MX). On the GPU the cast's saturation is the clamp (``cvt.rn.satfinite``: NaN stays
-    NaN, anything past +-448 becomes +-448)."""
+    NaN, anything past +-448 becomes +-448). ``outside``: as ``quotient`` takes it (fp32 scales)."""
     if MX:
         # 2**-(scale - 127) is an fp32 (a subnormal for 2**-127), so the product is the exact quotient.
         inverse = tl.where(scale == 254, 0x400000, (254 - scale) << 23).to(tl.float32, bitcast=True)
@@ -126,7 +136,7 @@ def to_fp8(v, scale, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
     elif EMULATE_FP8:
         y = tl.math.div_rn(v, tl.broadcast_to(scale, v.shape))
     else:
-        y = quotient(v, scale)
+        y = quotient(v, scale, outside)
     if EMULATE_FP8:
         y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return to_e4m3(y, EMULATE_FP8)

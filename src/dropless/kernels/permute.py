@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.kernels.fp8_math import block_scale, magnitude, to_fp8
+from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize import _raw
 from dropless.quantized import Recipe
@@ -78,12 +78,23 @@ def _permute_kernel(
     copies = tl.arange(0, K_PAD)
     dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     amax = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    outside = 0
     if QUANTIZE and QBLOCK == 0:
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
                           mask=token_ok[:, None] & (cols < D)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(magnitude(row.to(tl.float32)), axis=1))
+        # Every copy's scale is known now: whether the quotients need the division is decided once, not
+        # by a reduction over every tile quantized below.
+        for j in range(top_k):
+            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
+            valid = token_ok & (pos >= 0) & (pos < num_valid)
+            w = 1.0
+            if WEIGHTED:
+                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
+            outside = tl.maximum(outside, scales_outside(_copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED,
+                                                                     POW2)))
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -113,7 +124,7 @@ def _permute_kernel(
                 v = value.to(tl.float32)
                 if QBLOCK == 0:
                     s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
-                    q = to_fp8(v, s[:, None], False, EMULATE_FP8)
+                    q = to_fp8(v, s[:, None], False, EMULATE_FP8, outside)
                 else:
                     # Masked elements are 0, so they never raise a block's amax.
                     v3 = tl.reshape(v, (BLOCK_T, BLOCK_D // QBLOCK, QBLOCK))
