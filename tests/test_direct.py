@@ -133,7 +133,9 @@ def test_swiglu_and_permute_direct_match_custom_ops(backend, grad_in_place):
     def layer(permute, glu, unpermute):
         x_sorted, slots, _, offsets = permute(x, topk_ids, E)
         h = torch.cat([x_sorted, x_sorted.flip(1)], dim=1)
-        return unpermute(glu(h, "silu", grad_in_place, None), slots, weights, offsets, T)
+        # No FP8 copies of the gradients: (quantize_grad, grad_pow2) and (grad_recipe, pow2, mx_rounding).
+        return unpermute(glu(h, "silu", grad_in_place, None, False, False), slots, weights, offsets, T, None, False,
+                         "floor")
 
     permute_ops, activation_ops = (importlib.import_module(f"dropless.ops.{name}") for name in ("permute", "activation"))
     y_direct = layer(permute_ops._PERMUTE, activation_ops._GLU, permute_ops._UNPERMUTE)

@@ -14,7 +14,7 @@ import dropless
 from dropless import reference
 from dropless.kernels.permute import permute_rows, unpermute_rows
 from dropless.ops.fp8_gradient import take_fp8_copy
-from dropless.ops.permute import permute, quantize_permuted, unpermute
+from dropless.ops.permute import _invert, permute, quantize_permuted, unpermute
 from dropless.ops.quantize import empty_quantized
 from dropless.quantized import Recipe
 
@@ -631,3 +631,23 @@ def test_cuda_graph_no_sync(dtype):
         dys_ref, dw_ref = oracle_unpermute_grads(static_dy, x_sorted2, order, n_valid, static_w)
         assert_close(static_w.grad, dw_ref, dtype, "dweights")
         assert_close(static_x.grad, oracle_unpermute(2 * dys_ref, order, n_valid, torch.ones(T, k)), dtype, "dx")
+
+
+def test_the_inverse_map_is_computed_once_per_routing(backend):
+    """permute's inverse map (slot -> sorted row) is kept on sorted_to_token_slot for the step's other
+    gathers, and computed again once the tensor changes; results are those of a fresh tensor."""
+    _, device = backend
+    T, k, E, d, ids = _case("k8", device)
+    x = torch.randn(T, d, device=device)
+    _, slot, _, offsets = permute(x, ids, E)
+    inverse = _invert(slot)
+    assert _invert(slot) is inverse
+    expected = torch.empty_like(slot)
+    expected[slot.long()] = torch.arange(T * k, dtype=slot.dtype, device=device)
+    assert torch.equal(inverse, expected)
+    y_sorted, weights = torch.randn(T * k, d, device=device), torch.rand(T, k, device=device)
+    y = unpermute(y_sorted, slot, weights, offsets)
+    assert torch.equal(y, unpermute(y_sorted, slot.clone(), weights, offsets))
+    slot.copy_(slot.flip(0))  # an in-place change: a new version
+    assert _invert(slot) is not inverse
+    assert torch.equal(_invert(slot), _invert(slot.clone()))

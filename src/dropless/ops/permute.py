@@ -54,11 +54,24 @@ def sort_by_expert(topk_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.
     return order.to(torch.int32), group_sizes, offsets
 
 
+_INVERSE = "_dropless_slot_to_sorted"
+
+
 def _invert(sorted_to_token_slot: torch.Tensor) -> torch.Tensor:
-    """``slot_to_sorted [T*k]``: the sorted row of each slot (a scatter; no host sync)."""
+    """``slot_to_sorted [T*k]``: the sorted row of each slot (a scatter; no host sync). A layer's step
+    needs it in every gather (permute, unpermute, their backwards), so it is kept on
+    ``sorted_to_token_slot`` with that tensor's version and computed once while the tensor is unchanged
+    (eager calls; a compiled graph computes it where it is used)."""
+    compiling = torch.compiler.is_compiling()
+    held = None if compiling else sorted_to_token_slot.__dict__.get(_INVERSE)
+    if held is not None and held[0] == sorted_to_token_slot._version:
+        return held[1]
     M = sorted_to_token_slot.shape[0]
     rows = torch.arange(M, dtype=sorted_to_token_slot.dtype, device=sorted_to_token_slot.device)
-    return torch.empty_like(sorted_to_token_slot).scatter_(0, sorted_to_token_slot.long(), rows)
+    inverse = torch.empty_like(sorted_to_token_slot).scatter_(0, sorted_to_token_slot.long(), rows)
+    if not compiling:
+        setattr(sorted_to_token_slot, _INVERSE, (sorted_to_token_slot._version, inverse))
+    return inverse
 
 
 def _top_k(weights: torch.Tensor | None, sorted_rows: int, num_tokens: int) -> int:
