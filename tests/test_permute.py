@@ -260,17 +260,23 @@ def test_gradient_of_one_input(which, backend):
 # The launchers on NaN-poisoned outputs
 
 
+def _launcher_routing(ids: torch.Tensor, E: int, device) -> tuple[list[int], int, torch.Tensor, torch.Tensor]:
+    """The oracle's sorted slots, the valid rows, the inverse map (int32, slot -> sorted row) and the
+    offsets (int32) of ``ids``, as the launchers take them."""
+    order, sizes = oracle_order(ids.cpu(), E)
+    M = ids.numel()
+    inv = torch.empty(M, dtype=torch.int32)
+    inv[torch.tensor(order, dtype=torch.long)] = torch.arange(M, dtype=torch.int32)
+    return order, sum(sizes), inv.to(device), torch.tensor(_cumsum(sizes), dtype=torch.int32, device=device)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["k8", "sentinel", "empty_experts", "all_sentinel", "t1_k1"])
 def test_launchers_write_every_element(case, dtype):
     device = KERNEL_DEVICE
     T, k, E, d, ids = _case(case, device)
-    order, sizes = oracle_order(ids.cpu(), E)
-    n_valid, M = sum(sizes), T * k
-    inv = torch.empty(M, dtype=torch.int32)
-    inv[torch.tensor(order, dtype=torch.long)] = torch.arange(M, dtype=torch.int32)
-    inv = inv.to(device)
-    offsets = torch.tensor(_cumsum(sizes), dtype=torch.int32, device=device)
+    order, n_valid, inv, offsets = _launcher_routing(ids, E, device)
+    M = T * k
     x = torch.randn(T, d, dtype=dtype, device=device)
     weights = torch.rand(T, k, device=device) + 0.1
 
@@ -338,12 +344,8 @@ def test_launcher_writes_fp8_copies(case, recipe):
     device, r = KERNEL_DEVICE, FP8_RECIPES[recipe]
     T, k, E, _, ids = _case(case, device)
     d = 0 if case == "d0" else 300
-    order, sizes = oracle_order(ids.cpu(), E)
-    n_valid, M = sum(sizes), T * k
-    inv = torch.empty(M, dtype=torch.int32)
-    inv[torch.tensor(order, dtype=torch.long)] = torch.arange(M, dtype=torch.int32)
-    inv = inv.to(device)
-    offsets = torch.tensor(_cumsum(sizes), dtype=torch.int32, device=device)
+    order, n_valid, inv, offsets = _launcher_routing(ids, E, device)
+    M = T * k
     x = (torch.randn(T, d) * torch.exp2(torch.randint(-20, 20, (T, 1)).float())).to(torch.bfloat16)
     if T > 1 and d:
         x[1] = 0.0
