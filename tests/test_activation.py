@@ -619,7 +619,8 @@ def test_grad_recipe_errors_name_the_argument(backend):
             swiglu(h, grad_recipe=bad)
     with pytest.raises(ValueError, match=r"rowwise only"):
         r = Recipe("block128", 128)
-        glu_backward(h, h[:, :3], torch.empty_like(h), "silu", quantized=(*empty_quantized((4, 6), r, 1, None, device), r))
+        copy = (*empty_quantized((4, 6), r, 1, None, device), r)
+        glu_backward(h, h[:, :3], torch.empty_like(h), "silu", quantized=copy)
 
 
 def test_a_gradient_copy_is_taken_only_while_it_holds_the_gradient():

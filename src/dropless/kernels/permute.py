@@ -58,6 +58,21 @@ def _copy_scale(amax, w, valid, out_dtype: tl.constexpr, WEIGHTED: tl.constexpr,
 
 
 @triton.jit
+def _copy_slot(inv_ptr, w_ptr, tokens64, token_ok, j, M, num_valid, top_k, stride_w_t, stride_w_j,
+               WEIGHTED: tl.constexpr):
+    """Copy j of the tokens: its sorted row, whether that row is written (in ``[0, M)``), whether it holds
+    the copy (before ``num_valid``; past it, zeros) and the copy's weight (0 where not valid; unweighted,
+    1 where valid, and not read)."""
+    pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
+    pos_ok = token_ok & (pos >= 0) & (pos < M)
+    valid = pos_ok & (pos < num_valid)
+    w = valid.to(tl.float32)
+    if WEIGHTED:
+        w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
+    return pos, pos_ok, valid, w
+
+
+@triton.jit
 def _permute_kernel(
     src, inv_ptr, offsets_ptr, out, w_ptr, other, dw_ptr, data, scale,
     T, D, top_k, E, SCALE_COLS,
@@ -85,16 +100,15 @@ def _permute_kernel(
             row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
                           mask=token_ok[:, None] & (cols < D)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(magnitude(row.to(tl.float32)), axis=1))
-        # Every copy's scale is known now: whether the quotients need the division is decided once, not
-        # by a reduction over every tile quantized below.
+        # Every copy's scale is known now: stored (also where D is 0: rows of no columns get 1, as
+        # dropless.quantize writes it), and whether the quotients need the division decided once, not by
+        # a reduction over every tile quantized below.
         for j in range(top_k):
-            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
-            valid = token_ok & (pos >= 0) & (pos < num_valid)
-            w = 1.0
-            if WEIGHTED:
-                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
-            outside = tl.maximum(outside, scales_outside(_copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED,
-                                                                     POW2)))
+            pos, pos_ok, valid, w = _copy_slot(inv_ptr, w_ptr, tokens64, token_ok, j, M, num_valid, top_k,
+                                               stride_w_t, stride_w_j, WEIGHTED)
+            s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
+            tl.store(scale + pos * stride_sm, s, mask=pos_ok)
+            outside = tl.maximum(outside, scales_outside(s))
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -102,19 +116,16 @@ def _permute_kernel(
         row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
                       mask=token_ok[:, None] & col_ok[None, :], other=0.0)
         for j in range(top_k):
-            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
             # A row outside [0, M) is written by no one; rows past the local experts are written as zeros.
-            pos_ok = token_ok & (pos >= 0) & (pos < M)
-            valid = pos_ok & (pos < num_valid)
+            pos, pos_ok, valid, w = _copy_slot(inv_ptr, w_ptr, tokens64, token_ok, j, M, num_valid, top_k,
+                                               stride_w_t, stride_w_j, WEIGHTED)
             copy = tl.where(valid[:, None], row, 0.0)
             if DOT:
                 y = tl.load(other + pos[:, None] * stride_other_m + cols[None, :] * stride_other_d,
                             mask=valid[:, None] & col_ok[None, :], other=0.0)
                 dot = tl.sum(copy.to(tl.float32) * y.to(tl.float32), axis=1)
                 dots += tl.where(copies[None, :] == j, dot[:, None], 0.0)
-            w = 1.0
             if WEIGHTED:
-                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
                 copy = copy.to(tl.float32) * w[:, None]
             value = copy.to(out.dtype.element_ty)
             mask = pos_ok[:, None] & col_ok[None, :]
@@ -134,17 +145,6 @@ def _permute_kernel(
                     tl.store(scale + pos[:, None] * stride_sm + blocks[None, :], s.to(scale.dtype.element_ty),
                              mask=pos_ok[:, None] & (blocks < SCALE_COLS)[None, :])
                 tl.store(data + pos[:, None] * stride_qm + cols[None, :], q, mask=mask)
-    if QUANTIZE and QBLOCK == 0:
-        # Every row's scale, also where D is 0 (rows of no columns get 1, as dropless.quantize writes it).
-        for j in range(top_k):
-            pos = tl.load(inv_ptr + tokens64 * top_k + j, mask=token_ok, other=-1).to(tl.int64)
-            pos_ok = token_ok & (pos >= 0) & (pos < M)
-            valid = pos_ok & (pos < num_valid)
-            w = 1.0
-            if WEIGHTED:
-                w = tl.load(w_ptr + tokens64 * stride_w_t + j * stride_w_j, mask=valid, other=0.0).to(tl.float32)
-            s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
-            tl.store(scale + pos * stride_sm, s, mask=pos_ok)
     if DOT:
         tl.store(dw_ptr + tokens64[:, None] * top_k + copies[None, :], dots,
                  mask=token_ok[:, None] & (copies < top_k)[None, :])

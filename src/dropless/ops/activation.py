@@ -18,6 +18,8 @@ also writes ``dh`` quantized along 2F, attached to ``dh`` for the FP8 product th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dropless import reference
@@ -70,57 +72,57 @@ def _glu_backward(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torc
                   quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dh [M, 2F] = [da * up * act'(gate) | da * act(gate)]`` in h's dtype, and with ``quantize`` dh
     quantized rowwise along 2F (data, scale; empty ``[0]`` tensors without)."""
-    data, scale = _empty_copy(h, quantize, pow2)
     if not use_triton(h.device):
         dh = reference.glu_backward(h, da, activation)
-        _reference_copy(dh, data, scale, quantize, pow2)
-        return dh, data, scale
+        return dh, *_reference_copy(dh, quantize, pow2)
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    glu_backward(h, da, dh, activation, rows, _rowwise(data, scale, quantize, pow2))
+    data, scale = _copy_of(dh, quantize, pow2, lambda copy: glu_backward(h, da, dh, activation, rows, copy))
     return dh, data, scale
 
 
 def _glu_backward_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
                        quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return h.new_empty(h.shape), *_empty_copy(h, quantize, pow2)
+    return h.new_empty(h.shape), *_copy_of(h, quantize, pow2, lambda copy: None)
 
 
 def _glu_backward_into_h(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
                          quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``_glu_backward`` written over h (each element pair of h is read before its gradient replaces it:
     the kernel reads a tile's gate and up columns before it writes theirs); returns the FP8 copy."""
-    data, scale = _empty_copy(h, quantize, pow2)
     if not use_triton(h.device):
         h.copy_(reference.glu_backward(h, da, activation))
-        _reference_copy(h, data, scale, quantize, pow2)
-    else:
-        glu_backward(h, da, h, activation, rows, _rowwise(data, scale, quantize, pow2))
-        torch.autograd.graph.increment_version(h)  # what saved h sees it changed, as after h.copy_
-    return data, scale
+        return _reference_copy(h, quantize, pow2)
+    copy = _copy_of(h, quantize, pow2, lambda copy: glu_backward(h, da, h, activation, rows, copy))
+    torch.autograd.graph.increment_version(h)  # what saved h sees it changed, as after h.copy_
+    return copy
 
 
 def _glu_backward_into_h_fake(h: torch.Tensor, da: torch.Tensor, activation: str, rows: torch.Tensor | None,
                               quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _empty_copy(h, quantize, pow2)
+    return _copy_of(h, quantize, pow2, lambda copy: None)
 
 
-def _empty_copy(h: torch.Tensor, quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized rowwise ``(data, scale)`` for dh, or two empty ``[0]`` tensors."""
+KernelCopy = tuple[torch.Tensor, torch.Tensor, Recipe]  # (data, scale, recipe), as glu_backward takes it
+
+
+def _copy_of(dh: torch.Tensor, quantize: bool, pow2: bool,
+             write: Callable[[KernelCopy | None], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of dh's rowwise copy, made by ``write((data, scale, recipe))`` (the kernel that
+    writes dh); without ``quantize``, ``write(None)`` and two empty ``[0]`` tensors."""
     if not quantize:
-        return h.new_empty(0), h.new_empty(0)
-    return empty_quantized(tuple(h.shape), get_recipe("rowwise", pow2=pow2), 1, None, h.device)
+        write(None)
+        return dh.new_empty(0), dh.new_empty(0)
+    recipe = get_recipe("rowwise", pow2=pow2)
+    data, scale = empty_quantized(tuple(dh.shape), recipe, 1, None, dh.device)
+    write((data, scale, recipe))
+    return data, scale
 
 
-def _rowwise(data: torch.Tensor, scale: torch.Tensor, quantize: bool,
-             pow2: bool) -> tuple[torch.Tensor, torch.Tensor, Recipe] | None:
-    return (data, scale, get_recipe("rowwise", pow2=pow2)) if quantize else None
-
-
-def _reference_copy(dh: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, quantize: bool, pow2: bool) -> None:
-    if quantize:
-        ref_data, ref_scale = reference.quantize(dh, get_recipe("rowwise", pow2=pow2), 1)
-        data.copy_(ref_data)
-        scale.copy_(ref_scale)
+def _reference_copy(dh: torch.Tensor, quantize: bool, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference backend's ``(data, scale)`` of dh quantized rowwise, or two empty ``[0]`` tensors."""
+    if not quantize:
+        return dh.new_empty(0), dh.new_empty(0)
+    return reference.quantize(dh, get_recipe("rowwise", pow2=pow2), 1)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -160,7 +162,8 @@ _GLU_BACKWARD_INTO_H = DirectOp.define("glu_backward_into_h", _glu_backward_into
 
 
 def _gated(h: torch.Tensor, activation: str, recipe: str | Recipe | None, grad_in_place: bool,
-           rows: torch.Tensor | None, grad_recipe: Recipe | None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
+           rows: torch.Tensor | None,
+           grad_recipe: Recipe | None) -> torch.Tensor | tuple[torch.Tensor, QuantizedTensor]:
     check_tensor("h", h)
     quantized = recipe is not None
     check_matrix("h", h, 2, TRITON_DTYPES if use_triton(h.device) or quantized else REFERENCE_DTYPES)

@@ -137,7 +137,8 @@ def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_toke
     if not use_triton(dy.device):
         w = weights if weights is not None else dy.new_ones(T, k)
         dy_sorted, dweights = reference.unpermute_backward(dy, y_sorted, sorted_to_token_slot, w, offsets)
-        data, scale = reference.quantize(dy_sorted, recipe, 1) if recipe is not None else (dy.new_empty(0), dy.new_empty(0))
+        data, scale = (reference.quantize(dy_sorted, recipe, 1) if recipe is not None
+                       else (dy.new_empty(0), dy.new_empty(0)))
         return dy_sorted, dweights if with_dweights else dy.new_empty(0), data, scale
     dy_sorted = torch.empty(M, dy.shape[1], dtype=dy.dtype, device=dy.device)
     data, scale = (empty_quantized(dy_sorted.shape, recipe, 1, None, dy.device) if recipe is not None
