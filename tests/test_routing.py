@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE
 
-from dropless.kernels.topk import topk_ids
+import dropless
+
 from dropless.nn.router import TopKRouter
 from dropless.ops.routing import route
 
@@ -73,48 +74,126 @@ def _loop_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
                          for row in scores], dtype=torch.int64).view(scores.shape[0], k)
 
 
+def _scores64(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    logits = logits.double()
+    return torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("T,E,k", [(1, 1, 1), (5, 3, 3), (70, 128, 8), (33, 160, 6), (9, 1024, 4)])
-def test_topk_ids_match_loop(T, E, k):
-    device = KERNEL_DEVICE
-    scores = torch.randn(T, E)
-    # Ties, NaN and -inf (what group-limited routing masks with) in some rows.
-    scores[0, : E // 2] = 0.25
+def test_route_kernel_choice_matches_loop(T, E, k, score_func, triton_backend):
+    """The kernel's choice: each row's k best scores, largest first, ties to the lower index, NaN above
+    every number; strided logits read as they are."""
+    logits = torch.randn(T, E) * 3
+    # Ties (equal logits), NaN and -inf logits (scores of exactly 0) in some rows.
+    logits[0, : E // 2] = 0.25
     if T > 2:
-        scores[1, E // 3] = float("nan")
-        scores[2, : E - 1] = float("-inf")
-    ids = topk_ids(scores.to(device), k)
-    assert ids.dtype == torch.int64 and ids.shape == (T, k)
-    assert torch.equal(ids.cpu(), _loop_topk(scores, k))
-    # Strided rows: a transposed view.
-    strided = scores.t().contiguous().to(device).t()
-    assert torch.equal(topk_ids(strided, k).cpu(), _loop_topk(scores, k))
+        logits[1, E // 3] = float("nan")
+        logits[2, : E - 1] = float("-inf")
+    expected = _loop_topk(_scores64(logits, score_func), k)
+    routing = route(logits.to(KERNEL_DEVICE), k, score_func=score_func)
+    assert routing.expert_ids.dtype == torch.int64 and routing.expert_ids.shape == (T, k)
+    assert torch.equal(routing.expert_ids.cpu(), expected)
+    strided = logits.t().contiguous().to(KERNEL_DEVICE).t()
+    assert torch.equal(route(strided, k, score_func=score_func).expert_ids.cpu(), expected)
 
 
-def test_topk_ids_takes_each_expert_once_in_an_all_minus_inf_row():
-    scores = torch.full((2, 6), float("-inf"))
-    scores[1, 4] = 1.0
-    ids = topk_ids(scores.to(KERNEL_DEVICE), 6).cpu()
-    assert ids[0].tolist() == [0, 1, 2, 3, 4, 5]
-    assert ids[1].tolist() == [4, 0, 1, 2, 3, 5]
+def _route_loss(routing, grad_weights, aux_coef, z_coef):
+    return (routing.weights * grad_weights).sum() + aux_coef * routing.aux_loss + z_coef * routing.z_loss
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("options", [
+    {}, {"scale": 2.5}, {"bias": True}, {"n_groups": 4, "topk_groups": 2, "bias": True}, {"n_groups": 8, "topk_groups": 3},
+])
+@pytest.mark.parametrize("T,E,k", [(37, 16, 4), (5, 24, 6)])
+def test_route_kernels_match_torch_forward_and_backward(T, E, k, score_func, renormalize, options):
+    """The Triton kernels against the PyTorch composition: ids, counts, weights, both losses and the
+    logits' gradient (from the weights' and the losses'), every option."""
+    options = dict(options)
+    if options.pop("bias", False):
+        options["expert_bias"] = torch.randn(E) * 0.05
+    logits = torch.randn(T, E) * 2
+    grad_weights = torch.randn(T, k)
+    results = {}
+    for name in ("reference", "triton"):
+        dropless.set_backend(name)
+        device = KERNEL_DEVICE if name == "triton" else torch.device("cpu")
+        z = logits.to(device).requires_grad_()
+        kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
+        routing = route(z, k, score_func=score_func, renormalize=renormalize, **kwargs)
+        _route_loss(routing, grad_weights.to(device), 0.7, 0.3).backward()
+        results[name] = (routing, z.grad)
+    (ref, ref_grad), (out, out_grad) = results["reference"], results["triton"]
+    assert torch.equal(out.expert_ids.cpu(), ref.expert_ids)
+    assert torch.equal(out.tokens_per_expert.cpu(), ref.tokens_per_expert)
+    assert out.tokens_per_expert.dtype == torch.int32 and out.weights.dtype == torch.float32
+    torch.testing.assert_close(out.weights.cpu(), ref.weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss.cpu(), ref.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.z_loss.cpu(), ref.z_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_grad.cpu(), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("uses", ["weights", "aux", "z"])
+def test_route_kernel_gradient_of_each_output_alone(uses, triton_backend):
+    """A gradient from one output only (the others' are None), checked against the reference backend."""
+    logits = torch.randn(19, 12)
+    grads = {}
+    for name in ("reference", "triton"):
+        dropless.set_backend(name)
+        z = logits.to(KERNEL_DEVICE if name == "triton" else "cpu").requires_grad_()
+        routing = route(z, 3)
+        out = {"weights": routing.weights.square().sum(), "aux": routing.aux_loss, "z": routing.z_loss}[uses]
+        (grads[name],) = torch.autograd.grad(out, z)
+    assert bool(grads["triton"].abs().sum() > 0)
+    torch.testing.assert_close(grads["triton"].cpu(), grads["reference"], rtol=1e-4, atol=1e-7)
+
+
+def test_route_kernels_write_every_output(triton_backend, monkeypatch):
+    """Every buffer the kernels allocate starts poisoned (NaN, or -7 for integers): every element read
+    back was written."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
+        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    T, E, k = 45, 40, 5
+    logits = torch.randn(T, E).to(KERNEL_DEVICE).requires_grad_()
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    routing = route(logits, k, score_func="sigmoid", expert_bias=torch.randn(E, device=KERNEL_DEVICE))
+    (grad,) = torch.autograd.grad(routing.weights.sum() + routing.aux_loss + routing.z_loss, logits)
+    monkeypatch.undo()
+    assert bool(torch.isfinite(routing.weights).all()) and bool(torch.isfinite(grad).all())
+    assert bool(((routing.expert_ids >= 0) & (routing.expert_ids < E)).all())
+    assert int(routing.tokens_per_expert.sum()) == T * k
+    assert torch.equal(routing.tokens_per_expert.cpu(),
+                       torch.bincount(routing.expert_ids.flatten().cpu(), minlength=E).to(torch.int32))
+    assert bool(torch.isfinite(routing.aux_loss)) and bool(torch.isfinite(routing.z_loss))
 
 
 @pytest.mark.parametrize("E, dtype", [(1100, torch.float32), (16, torch.float64)])
 def test_route_past_the_kernel_falls_back_to_torch(E, dtype, backend, monkeypatch):
-    """Rows wider than the kernel holds, and fp64 rows, take torch.topk on either backend."""
+    """Rows wider than the kernels hold, and fp64 rows, take the PyTorch ops on either backend."""
     _, device = backend
 
     def refuse(*_):
         raise AssertionError("the top-k kernel was called")
 
-    monkeypatch.setattr("dropless.ops.routing.topk_ids", refuse)
+    monkeypatch.setattr("dropless.ops.routing.route_forward", refuse)
     logits = torch.randn(3, E, dtype=dtype) * 3
     routing = route(logits.to(device), 4)
     ids, _ = _loop_route(logits, 4, "softmax", True)
     assert torch.equal(routing.expert_ids.cpu(), ids)
 
 
-def test_topk_ids_of_no_tokens():
-    assert topk_ids(torch.randn(0, 8, device=KERNEL_DEVICE), 2).shape == (0, 2)
+def test_route_of_no_tokens(backend):
+    _, device = backend
+    logits = torch.randn(0, 8, device=device, requires_grad=True)
+    routing = route(logits, 2)
+    assert routing.expert_ids.shape == (0, 2) and routing.weights.shape == (0, 2)
+    assert int(routing.tokens_per_expert.sum()) == 0 and float(routing.aux_loss) == 0.0
 
 
 def test_expert_bias_steers_the_choice_not_the_weights():

@@ -1,9 +1,11 @@
 """Top-k routing of tokens to experts, in fp32, with no host sync.
 
 Everything here is a device-side tensor computation: scores, the (optionally group-limited) top-k
-selection (one Triton kernel on the Triton backend, ``kernels/topk.py``), the renormalized weights,
-the auxiliary losses and the per-expert token counts (counted by a scatter-add: the bincount op would
-sync with the host).
+selection, the renormalized weights, the auxiliary losses and the per-expert token counts. On the Triton
+backend fp32 logits of at most ``MAX_E`` experts take two kernels forward and one backward
+(``kernels/route.py``: the custom ops ``dropless::route`` and ``dropless::route_backward``); otherwise
+(the reference backend, fp64, wider rows) the same math runs as PyTorch ops, the counts by a scatter-add
+(the bincount op would sync with the host).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from dropless.backend import use_triton
-from dropless.kernels.topk import MAX_E, topk_ids
+from dropless.kernels.route import MAX_E, route_backward, route_forward
+from dropless.ops.direct import DirectOp
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -62,12 +65,22 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     T, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
+    if n_groups is not None:
+        _check_groups(E, n_groups, topk_groups, top_k)
+    if expert_bias is not None and (tuple(expert_bias.shape) != (E,) or expert_bias.device != logits.device):
+        raise ValueError(f"expert_bias must have shape [E={E}] on the logits' device {logits.device}, got shape "
+                         f"{tuple(expert_bias.shape)} on {expert_bias.device}")
     logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if use_triton(logits.device) and logits.dtype == torch.float32 and E <= MAX_E and T > 0:
+        bias = None if expert_bias is None else expert_bias.float().contiguous()
+        weights, expert_ids, tokens_per_expert, losses = _ROUTE(
+            logits, top_k, score_func == "softmax", renormalize, float(scale), bias, n_groups or 0, topk_groups or 0)
+        return Routing(weights, expert_ids, tokens_per_expert, losses[0], losses[1])
     scores = torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
     choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
     if n_groups is not None:
-        choice = _limit_to_groups(choice, n_groups, topk_groups, score_func, top_k)
-    expert_ids = _top_k_ids(choice, top_k)
+        choice = _limit_to_groups(choice, n_groups, topk_groups, score_func)
+    expert_ids = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -83,25 +96,66 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     return Routing(weights, expert_ids, tokens_per_expert, aux_loss, z_loss)
 
 
-def _top_k_ids(choice: torch.Tensor, top_k: int) -> torch.Tensor:
-    """int64 ``[T, top_k]``: each row's ``top_k`` largest, largest first. fp32 rows of at most ``MAX_E``
-    on the Triton backend take one kernel (ties to the lower index); others ``torch.topk``."""
-    if use_triton(choice.device) and choice.dtype == torch.float32 and choice.shape[1] <= MAX_E:
-        return topk_ids(choice, top_k)
-    return torch.topk(choice, top_k, dim=-1).indices
+def _route(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
+           bias: torch.Tensor | None, n_groups: int, topk_groups: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, expert_ids, tokens_per_expert, [aux_loss, z_loss])`` of fp32 ``logits [T, E]`` (T >= 1)
+    on the Triton backend; ``n_groups=0``: no group limit."""
+    return route_forward(logits, top_k, softmax, renormalize, scale, bias, n_groups, topk_groups)
 
 
-def _limit_to_groups(choice: torch.Tensor, n_groups: int, topk_groups: int | None, score_func: str,
-                     top_k: int) -> torch.Tensor:
-    """``choice`` with the experts outside each token's best ``topk_groups`` groups set to -inf."""
-    T, E = choice.shape
+def _route_fake(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
+                bias: torch.Tensor | None, n_groups: int, topk_groups: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, E = logits.shape
+    return (logits.new_empty(T, top_k), logits.new_empty(T, top_k, dtype=torch.int64),
+            logits.new_empty(E, dtype=torch.int32), logits.new_empty(2))
+
+
+def _route_backward(logits: torch.Tensor, expert_ids: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    grad_weights: torch.Tensor | None, grad_losses: torch.Tensor | None, softmax: bool,
+                    renormalize: bool, scale: float) -> torch.Tensor:
+    """fp32 ``[T, E]``: the logits' gradient from the weights' and the losses' (None: no gradient)."""
+    return route_backward(logits, expert_ids, tokens_per_expert, grad_weights,
+                          None if grad_losses is None else grad_losses.contiguous(), softmax, renormalize, scale)
+
+
+def _route_backward_fake(logits: torch.Tensor, expert_ids: torch.Tensor, tokens_per_expert: torch.Tensor,
+                         grad_weights: torch.Tensor | None, grad_losses: torch.Tensor | None, softmax: bool,
+                         renormalize: bool, scale: float) -> torch.Tensor:
+    return logits.new_empty(logits.shape)
+
+
+def _setup_route(ctx, inputs, output) -> None:
+    logits, _, softmax, renormalize, scale, *_ = inputs
+    _, expert_ids, tokens_per_expert, _ = output
+    ctx.save_for_backward(logits, expert_ids, tokens_per_expert)
+    ctx.options = (softmax, renormalize, scale)
+
+
+def _backward_route(ctx, grad_weights, grad_ids, grad_counts, grad_losses):
+    logits, expert_ids, tokens_per_expert = ctx.saved_tensors
+    grad = _ROUTE_BACKWARD(logits, expert_ids, tokens_per_expert, grad_weights, grad_losses, *ctx.options)
+    return grad, None, None, None, None, None, None, None
+
+
+_ROUTE_BACKWARD = DirectOp.define("route_backward", _route_backward, _route_backward_fake)
+_ROUTE = DirectOp.define("route", _route, _route_fake, backward=_backward_route, setup_context=_setup_route)
+
+
+def _check_groups(E: int, n_groups: int, topk_groups: int | None, top_k: int) -> None:
     if E % n_groups != 0:
         raise ValueError(f"n_groups={n_groups} must divide the number of experts E={E}")
     if topk_groups is None or not 1 <= topk_groups <= n_groups:
         raise ValueError(f"topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}")
+    if topk_groups * (E // n_groups) < top_k:
+        raise ValueError(f"topk_groups={topk_groups} groups of {E // n_groups} experts hold fewer than top_k={top_k}")
+
+
+def _limit_to_groups(choice: torch.Tensor, n_groups: int, topk_groups: int, score_func: str) -> torch.Tensor:
+    """``choice`` with the experts outside each token's best ``topk_groups`` groups set to -inf."""
+    T, E = choice.shape
     per_group = E // n_groups
-    if topk_groups * per_group < top_k:
-        raise ValueError(f"topk_groups={topk_groups} groups of {per_group} experts hold fewer than top_k={top_k}")
     grouped = choice.view(T, n_groups, per_group)
     if score_func == "sigmoid" and per_group >= 2:
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
