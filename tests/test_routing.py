@@ -120,7 +120,7 @@ def test_route_kernels_match_torch_forward_and_backward(T, E, k, score_func, ren
     for name in ("reference", "triton"):
         dropless.set_backend(name)
         device = KERNEL_DEVICE if name == "triton" else torch.device("cpu")
-        z = logits.to(device).requires_grad_()
+        z = logits.to(device, copy=True).requires_grad_()
         kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in options.items()}
         routing = route(z, k, score_func=score_func, renormalize=renormalize, **kwargs)
         _route_loss(routing, grad_weights.to(device), 0.7, 0.3).backward()
@@ -142,7 +142,7 @@ def test_route_kernel_gradient_of_each_output_alone(uses, triton_backend):
     grads = {}
     for name in ("reference", "triton"):
         dropless.set_backend(name)
-        z = logits.to(KERNEL_DEVICE if name == "triton" else "cpu").requires_grad_()
+        z = logits.to(KERNEL_DEVICE if name == "triton" else "cpu", copy=True).requires_grad_()
         routing = route(z, 3)
         out = {"weights": routing.weights.square().sum(), "aux": routing.aux_loss, "z": routing.z_loss}[uses]
         (grads[name],) = torch.autograd.grad(out, z)
