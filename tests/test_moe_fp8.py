@@ -235,13 +235,14 @@ def test_moe_fused_activation_gives_the_unfused_bits(device, recipe, config, mon
     # The routing weights' gradient (dot products of dy with the expert outputs) comes from the permute
     # kernel in both layers, but compiled with the FP8 copy in the fused one: a GPU may sum the dot
     # products in another order there. What follows from it (the router's gradients, and dx through
-    # the router) is compared to that rounding; everything else bit for bit.
+    # the router) is compared to that rounding; everything else bit for bit. The router's weight gradient
+    # sums tokens' terms that cancel: its elements are compared to a thousandth of its largest.
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-2, atol=1e-6)
     grads, expected = _gradients(fused), _gradients(unfused)
     assert grads.keys() == expected.keys() and len(grads) >= 3
     for name, grad in grads.items():
         if name.startswith("router."):
-            torch.testing.assert_close(grad, expected[name], rtol=1e-2, atol=1e-6)
+            torch.testing.assert_close(grad, expected[name], rtol=1e-2, atol=1e-3 * float(expected[name].abs().max()))
         else:
             assert_same_bits(grad, expected[name], name)
 

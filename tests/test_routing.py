@@ -11,6 +11,7 @@ from conftest import KERNEL_DEVICE
 import dropless
 
 from dropless.nn.router import TopKRouter
+from dropless.ops.permute import _invert, sort_by_expert
 from dropless.ops.routing import route
 
 
@@ -294,3 +295,36 @@ def test_router_gradient_reaches_the_gate():
     ((routing.weights ** 2).sum() + routing.aux_loss).backward()
     assert router.weight.grad is not None and bool(torch.isfinite(router.weight.grad).all())
     assert router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["spread", "one giant group", "grouped", "few tokens"])
+def test_route_sort_matches_sort_by_expert(case, backend, monkeypatch):
+    """``route(..., sort=True)``'s copies by expert (the kernels' counting sort on the Triton backend) are
+    ``sort_by_expert``'s stable sort of the ids, with experts of no copies; the inverse it keeps for the
+    gathers is the sort's inverse; every buffer starts poisoned."""
+    _, device = backend
+    T, E, k, options = {"spread": (300, 128, 8, {}), "one giant group": (77, 24, 3, {}),
+                        "grouped": (45, 32, 4, {"n_groups": 4, "topk_groups": 2}), "few tokens": (2, 40, 6, {})}[case]
+    logits = torch.randn(T, E) * 2
+    if case == "one giant group":
+        logits[:, 5] += 50.0  # every token's first choice
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
+        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    routing = route(logits.to(device), k, sort=True, **options)
+    monkeypatch.undo()
+    slots, sizes, offsets = sort_by_expert(routing.expert_ids, E)
+    assert routing.sorted_to_token_slot.dtype == torch.int32 and routing.offsets.dtype == torch.int32
+    assert torch.equal(routing.sorted_to_token_slot, slots)
+    assert torch.equal(routing.offsets, offsets) and torch.equal(routing.tokens_per_expert, sizes)
+    if case == "one giant group":
+        assert int(sizes[5]) == T
+    if case == "few tokens":
+        assert int((sizes == 0).sum()) >= E - T * k
+    inverse = _invert(routing.sorted_to_token_slot)
+    assert torch.equal(routing.sorted_to_token_slot[inverse.long()].cpu(), torch.arange(T * k, dtype=torch.int32))
+    assert route(logits.to(device), k).sorted_to_token_slot is None

@@ -22,6 +22,7 @@ from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
 MAX_E = 1024  # the widest row a program holds in registers
 _BLOCK_ELEMENTS = 4096  # rows per program = _BLOCK_ELEMENTS // BLOCK_E
 _NUM_WARPS = 4
+_SCATTER_BLOCK = 1024  # copies per program of the sort's scatter
 
 
 @triton.jit
@@ -78,10 +79,11 @@ def _best_groups(choice, cols, in_row, n_groups, topk_groups, group_size, SOFTMA
 
 
 @triton.jit
-def _route_kernel(logits, bias, ids, weights, part_counts, part_probs, part_z,
+def _route_kernel(logits, bias, ids, weights, ranks, part_counts, part_probs, part_z,
                   T, E, top_k, n_groups, topk_groups, group_size, scale, stride_t, stride_e,
                   SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  GROUPED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, G_POW2: tl.constexpr):
+                  GROUPED: tl.constexpr, SORT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  G_POW2: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -106,7 +108,10 @@ def _route_kernel(logits, bias, ids, weights, part_counts, part_probs, part_z,
         rank = tl.where(hit, j, rank)
         taken = taken | hit
     chosen = rank >= 0
+    valid = row_ok[:, None] & in_row[None, :]
     total = tl.sum(tl.where(chosen, scores, 0.0), axis=1)
+    # A copy's rank among this program's copies of its expert (a token takes an expert at most once).
+    earlier = tl.cumsum((chosen & valid).to(tl.int32), axis=0) - (chosen & valid).to(tl.int32)
     rows64 = rows.to(tl.int64)
     for j in range(top_k):
         at = rank == j
@@ -116,7 +121,8 @@ def _route_kernel(logits, bias, ids, weights, part_counts, part_probs, part_z,
         tl.store(ids + rows64 * top_k + j, tl.min(tl.where(at, cols[None, :], BLOCK_E), axis=1).to(tl.int64),
                  mask=row_ok)
         tl.store(weights + rows64 * top_k + j, weight * scale, mask=row_ok)
-    valid = row_ok[:, None] & in_row[None, :]
+        if SORT:
+            tl.store(ranks + rows64 * top_k + j, tl.sum(tl.where(at, earlier, 0), axis=1), mask=row_ok)
     if SOFTMAX:
         probs = scores
     else:
@@ -127,8 +133,8 @@ def _route_kernel(logits, bias, ids, weights, part_counts, part_probs, part_z,
 
 
 @triton.jit
-def _route_sums_kernel(part_counts, part_probs, part_z, counts, losses, programs, E, aux_scale, z_scale,
-                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_sums_kernel(part_counts, part_probs, part_z, counts, losses, offsets, programs, E, aux_scale, z_scale,
+                       SORT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     cols = tl.arange(0, BLOCK_E)
     prows = tl.arange(0, BLOCK_P)
     count = tl.zeros((BLOCK_P, BLOCK_E), tl.int32)
@@ -145,6 +151,30 @@ def _route_sums_kernel(part_counts, part_probs, part_z, counts, losses, programs
     tl.store(counts + cols, per_expert, mask=cols < E)
     tl.store(losses, aux_scale * tl.sum(per_expert.to(tl.float32) * tl.sum(probs, axis=0), axis=0))
     tl.store(losses + 1, z_scale * tl.sum(z, axis=0))
+    if SORT:
+        ends = tl.cumsum(per_expert, axis=0)
+        tl.store(offsets + cols, ends, mask=cols < E)
+        # Each program's first row of each expert, written over its counts: the expert's start, then the
+        # copies of the programs before it.
+        carry = ends - per_expert
+        for p0 in range(0, programs, BLOCK_P):
+            p = p0 + prows
+            at = p[:, None] * BLOCK_E + cols[None, :]
+            chunk = tl.load(part_counts + at, mask=(p < programs)[:, None], other=0)
+            tl.store(part_counts + at, carry[None, :] + tl.cumsum(chunk, axis=0) - chunk, mask=(p < programs)[:, None])
+            carry += tl.sum(chunk, axis=0)
+
+
+@triton.jit
+def _slot_scatter_kernel(ids, ranks, starts, sorted_to_token_slot, slot_to_sorted, slots, top_k, rows_per_program,
+                         BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
+    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = slot < slots
+    expert = tl.load(ids + slot, mask=ok, other=0).to(tl.int32)
+    program = slot // top_k // rows_per_program
+    row = tl.load(starts + program * BLOCK_E + expert, mask=ok, other=0) + tl.load(ranks + slot, mask=ok, other=0)
+    tl.store(sorted_to_token_slot + row, slot, mask=ok)
+    tl.store(slot_to_sorted + slot, row, mask=ok)
 
 
 @triton.jit
@@ -212,12 +242,15 @@ def _loss_scales(T: int, E: int, top_k: int) -> tuple[float, float]:
 
 
 def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
-                  bias: torch.Tensor | None, n_groups: int, topk_groups: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  bias: torch.Tensor | None, n_groups: int, topk_groups: int, sort: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
     """``(weights fp32 [T, k], ids int64 [T, k], counts int32 [E], losses fp32 [2])`` of fp32 ``logits [T, E]``
-    (any strides; ``T >= 1``, ``1 <= k <= E <= MAX_E``, checked by the caller). bias: fp32 ``[E]`` contiguous
-    or None. n_groups: 0 for no group limit, else E's equal groups, of which each row keeps ``topk_groups``.
-    losses: the auxiliary loss and the z loss, unscaled."""
+    (any strides; ``T >= 1``, ``1 <= k <= E <= MAX_E``, checked by the caller), and with ``sort`` the copies
+    sorted by expert: ``sorted_to_token_slot``, ``slot_to_sorted`` (its inverse) int32 ``[T k]`` and the
+    offsets int32 ``[E]`` (cumulative counts), the slots ``t k + j`` of an expert in token order, as a stable
+    sort of the ids gives them. bias: fp32 ``[E]`` contiguous or None. n_groups: 0 for no group limit, else E's
+    equal groups, of which each row keeps ``topk_groups``. losses: the auxiliary loss and the z loss,
+    unscaled."""
     launch_info(logits.device)
     T, E = logits.shape
     device = logits.device
@@ -225,21 +258,32 @@ def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: 
     programs = cdiv(T, block_t)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=device)
+    ranks = torch.empty(T, top_k, dtype=torch.int32, device=device) if sort else ids
     part_counts = torch.empty(programs, block_e, dtype=torch.int32, device=device)
     part_probs = torch.empty(programs, block_e, dtype=torch.float32, device=device)
     part_z = torch.empty(programs, dtype=torch.float32, device=device)
     _route_kernel[(programs,)](
-        logits, logits if bias is None else bias, ids, weights, part_counts, part_probs, part_z,
+        logits, logits if bias is None else bias, ids, weights, ranks, part_counts, part_probs, part_z,
         T, E, top_k, max(n_groups, 1), topk_groups, E // max(n_groups, 1), scale, logits.stride(0), logits.stride(1),
-        SOFTMAX=softmax, RENORMALIZE=renormalize, HAS_BIAS=bias is not None, GROUPED=n_groups > 0,
+        SOFTMAX=softmax, RENORMALIZE=renormalize, HAS_BIAS=bias is not None, GROUPED=n_groups > 0, SORT=sort,
         BLOCK_T=block_t, BLOCK_E=block_e, G_POW2=max(next_power_of_2(n_groups), 2), num_warps=_NUM_WARPS,
     )
     counts = torch.empty(E, dtype=torch.int32, device=device)
     losses = torch.empty(2, dtype=torch.float32, device=device)
+    offsets = torch.empty(E, dtype=torch.int32, device=device) if sort else counts
     aux_scale, z_scale = _loss_scales(T, E, top_k)
-    _route_sums_kernel[(1,)](part_counts, part_probs, part_z, counts, losses, programs, E, aux_scale, z_scale,
-                             BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e, num_warps=_NUM_WARPS)
-    return weights, ids, counts, losses
+    _route_sums_kernel[(1,)](part_counts, part_probs, part_z, counts, losses, offsets, programs, E, aux_scale,
+                             z_scale, SORT=sort, BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e,
+                             num_warps=_NUM_WARPS)
+    if not sort:
+        return weights, ids, counts, losses
+    sorted_to_token_slot = torch.empty(T * top_k, dtype=torch.int32, device=device)
+    slot_to_sorted = torch.empty(T * top_k, dtype=torch.int32, device=device)
+    _slot_scatter_kernel[(cdiv(T * top_k, _SCATTER_BLOCK),)](
+        ids, ranks, part_counts, sorted_to_token_slot, slot_to_sorted, T * top_k, top_k, block_t,
+        BLOCK_E=block_e, BLOCK=_SCATTER_BLOCK, num_warps=_NUM_WARPS,
+    )
+    return weights, ids, counts, losses, sorted_to_token_slot, slot_to_sorted, offsets
 
 
 def route_backward(logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, grad_weights: torch.Tensor | None,

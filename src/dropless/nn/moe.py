@@ -10,7 +10,7 @@ from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
-from dropless.ops.permute import permute, sort_by_expert, unpermute
+from dropless.ops.permute import permute, unpermute
 from dropless.parallel import combine, dispatch
 from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
 from dropless.quantized import QuantizedTensor, Recipe, operand_recipes
@@ -167,14 +167,16 @@ class MoE(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
-        routing = self.router(tokens)
+        fp8_gather = self.ep_group is None and self.experts_gate_up.recipe is not None
+        routing = self.router(tokens, sort=fp8_gather)
         shared, side = None, None
-        if self.ep_group is None and self.experts_gate_up.recipe is not None:
+        if fp8_gather:
             # FP8: the permute writes FP8 rows and their scales (the gate/up product quantizes each token
             # once and writes its copies); the permuted rows are never made in x's dtype. Backward,
             # unpermute writes the down projection's output gradient in FP8 too, which its product reads.
-            sorted_to_token_slot, group_sizes, offsets = sort_by_expert(routing.expert_ids, self.num_experts)
-            y_sorted = self._experts(tokens, group_sizes, gather=(sorted_to_token_slot, self.top_k))
+            # The router sorts the copies by expert.
+            sorted_to_token_slot, offsets = routing.sorted_to_token_slot, routing.offsets
+            y_sorted = self._experts(tokens, routing.tokens_per_expert, gather=(sorted_to_token_slot, self.top_k))
             y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets,
                           grad_recipe=operand_recipes(self.experts_down.recipe)[0])
         elif self.ep_group is None:

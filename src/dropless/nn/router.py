@@ -52,13 +52,14 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         self.tokens_per_expert: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, sort: bool = False) -> Routing:
         """Route ``x [T, d_model]``; returns weights ``[T, k]`` (fp32), expert ids ``[T, k]``, the
-        per-expert counts and the unscaled auxiliary and z losses."""
+        per-expert counts and the unscaled auxiliary and z losses; with ``sort``, also the copies sorted
+        by expert (``route``'s ``sort``)."""
         logits = router_logits(x, self.weight)
         routing = route(logits, self.top_k, score_func=self.score_func, renormalize=self.renormalize,
                         n_groups=self.n_groups, topk_groups=self.topk_groups,
-                        expert_bias=self.expert_bias, scale=self.scale)
+                        expert_bias=self.expert_bias, scale=self.scale, sort=sort)
         self.tokens_per_expert = routing.tokens_per_expert
         if self.expert_bias is not None and self.training:
             self.load_since_update += routing.tokens_per_expert

@@ -70,8 +70,14 @@ def _invert(sorted_to_token_slot: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(M, dtype=sorted_to_token_slot.dtype, device=sorted_to_token_slot.device)
     inverse = torch.empty_like(sorted_to_token_slot).scatter_(0, sorted_to_token_slot.long(), rows)
     if not compiling:
-        setattr(sorted_to_token_slot, _INVERSE, (sorted_to_token_slot._version, inverse))
+        keep_inverse(sorted_to_token_slot, inverse)
     return inverse
+
+
+def keep_inverse(sorted_to_token_slot: torch.Tensor, slot_to_sorted: torch.Tensor) -> None:
+    """Keep ``slot_to_sorted`` (made by whoever sorted the copies) on ``sorted_to_token_slot`` for the gathers,
+    which then do not invert the sort again while the tensor is unchanged."""
+    setattr(sorted_to_token_slot, _INVERSE, (sorted_to_token_slot._version, slot_to_sorted))
 
 
 def _top_k(weights: torch.Tensor | None, sorted_rows: int, num_tokens: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from dropless.backend import use_triton
 from dropless.kernels.route import MAX_E, route_backward, route_forward
 from dropless.ops.direct import DirectOp
+from dropless.ops.permute import keep_inverse, sort_by_expert
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -32,6 +33,9 @@ class Routing:
         ``f_e`` the fraction of the ``T*k`` token copies sent to e and ``P_e`` the mean normalized
         score of e; 1.0 at perfect balance. Unscaled by any coefficient.
     z_loss: fp32 scalar, ``mean_t logsumexp(logits_t)^2``. Unscaled.
+    sorted_to_token_slot, offsets: with ``route(..., sort=True)``, the ``T*k`` copies sorted by expert
+        (``permute``'s int32 ``sorted_to_token_slot``: the slot ``t*k + j`` of each sorted row, an expert's
+        in token order) and the int32 ``[E]`` cumulative counts; else None.
     """
 
     weights: torch.Tensor
@@ -39,11 +43,13 @@ class Routing:
     tokens_per_expert: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    sorted_to_token_slot: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
 
 
 def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", renormalize: bool = True,
           n_groups: int | None = None, topk_groups: int | None = None,
-          expert_bias: torch.Tensor | None = None, scale: float = 1.0) -> Routing:
+          expert_bias: torch.Tensor | None = None, scale: float = 1.0, sort: bool = False) -> Routing:
     """Choose ``top_k`` experts per token from router ``logits [T, E]``.
 
     Args:
@@ -57,6 +63,9 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
         expert_bias: fp32 ``[E]`` added to the scores for the choice only, not to the weights
             (the auxiliary-loss-free balancing of DeepSeek-V3).
         scale: multiplies the final weights (DeepSeek-V3's routed scaling factor).
+        sort: also sort the copies by expert (``Routing.sorted_to_token_slot`` and ``offsets``, as
+            ``permute`` sorts them): on the Triton backend a counting sort in the routing's kernels and one
+            more launch, instead of a sort of the ids.
     """
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
@@ -73,9 +82,14 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     logits = logits.double() if logits.dtype == torch.float64 else logits.float()
     if use_triton(logits.device) and logits.dtype == torch.float32 and E <= MAX_E and T > 0:
         bias = None if expert_bias is None else expert_bias.float().contiguous()
-        weights, expert_ids, tokens_per_expert, losses = _ROUTE(
-            logits, top_k, score_func == "softmax", renormalize, float(scale), bias, n_groups or 0, topk_groups or 0)
-        return Routing(weights, expert_ids, tokens_per_expert, losses[0], losses[1])
+        weights, expert_ids, tokens_per_expert, losses, sorted_to_token_slot, slot_to_sorted, offsets = _ROUTE(
+            logits, top_k, score_func == "softmax", renormalize, float(scale), bias, n_groups or 0, topk_groups or 0,
+            sort)
+        if not sort:
+            return Routing(weights, expert_ids, tokens_per_expert, losses[0], losses[1])
+        if not torch.compiler.is_compiling():
+            keep_inverse(sorted_to_token_slot, slot_to_sorted)
+        return Routing(weights, expert_ids, tokens_per_expert, losses[0], losses[1], sorted_to_token_slot, offsets)
     scores = torch.softmax(logits, dim=-1) if score_func == "softmax" else torch.sigmoid(logits)
     choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
     if n_groups is not None:
@@ -93,23 +107,34 @@ def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", reno
     probs = scores / scores.sum(dim=-1, keepdim=True) if score_func == "sigmoid" else scores
     aux_loss = E * (fraction * probs.mean(dim=0)).sum() if T > 0 else logits.new_zeros(())
     z_loss = torch.logsumexp(logits, dim=-1).square().mean() if T > 0 else logits.new_zeros(())
-    return Routing(weights, expert_ids, tokens_per_expert, aux_loss, z_loss)
+    if not sort:
+        return Routing(weights, expert_ids, tokens_per_expert, aux_loss, z_loss)
+    sorted_to_token_slot, _, offsets = sort_by_expert(expert_ids, E)
+    return Routing(weights, expert_ids, tokens_per_expert, aux_loss, z_loss, sorted_to_token_slot, offsets)
 
 
 def _route(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
-           bias: torch.Tensor | None, n_groups: int, topk_groups: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(weights, expert_ids, tokens_per_expert, [aux_loss, z_loss])`` of fp32 ``logits [T, E]`` (T >= 1)
-    on the Triton backend; ``n_groups=0``: no group limit."""
-    return route_forward(logits, top_k, softmax, renormalize, scale, bias, n_groups, topk_groups)
+           bias: torch.Tensor | None, n_groups: int, topk_groups: int, sort: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, expert_ids, tokens_per_expert, [aux_loss, z_loss], sorted_to_token_slot, slot_to_sorted,
+    offsets)`` of fp32 ``logits [T, E]`` (T >= 1) on the Triton backend; ``n_groups=0``: no group limit. Without
+    ``sort`` the last three are empty."""
+    out = route_forward(logits, top_k, softmax, renormalize, scale, bias, n_groups, topk_groups, sort)
+    if sort:
+        return out
+    empty = logits.new_empty(0, dtype=torch.int32)
+    return *out, empty, empty, empty
 
 
 def _route_fake(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
-                bias: torch.Tensor | None, n_groups: int, topk_groups: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                bias: torch.Tensor | None, n_groups: int, topk_groups: int, sort: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor]:
     T, E = logits.shape
+    copies, experts = (T * top_k, E) if sort else (0, 0)
     return (logits.new_empty(T, top_k), logits.new_empty(T, top_k, dtype=torch.int64),
-            logits.new_empty(E, dtype=torch.int32), logits.new_empty(2))
+            logits.new_empty(E, dtype=torch.int32), logits.new_empty(2), logits.new_empty(copies, dtype=torch.int32),
+            logits.new_empty(copies, dtype=torch.int32), logits.new_empty(experts, dtype=torch.int32))
 
 
 def _route_backward(logits: torch.Tensor, expert_ids: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -128,15 +153,15 @@ def _route_backward_fake(logits: torch.Tensor, expert_ids: torch.Tensor, tokens_
 
 def _setup_route(ctx, inputs, output) -> None:
     logits, _, softmax, renormalize, scale, *_ = inputs
-    _, expert_ids, tokens_per_expert, _ = output
+    _, expert_ids, tokens_per_expert, *_ = output
     ctx.save_for_backward(logits, expert_ids, tokens_per_expert)
     ctx.options = (softmax, renormalize, scale)
 
 
-def _backward_route(ctx, grad_weights, grad_ids, grad_counts, grad_losses):
+def _backward_route(ctx, grad_weights, grad_ids, grad_counts, grad_losses, *grad_sort):
     logits, expert_ids, tokens_per_expert = ctx.saved_tensors
     grad = _ROUTE_BACKWARD(logits, expert_ids, tokens_per_expert, grad_weights, grad_losses, *ctx.options)
-    return grad, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None
 
 
 _ROUTE_BACKWARD = DirectOp.define("route_backward", _route_backward, _route_backward_fake)
