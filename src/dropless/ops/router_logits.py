@@ -30,15 +30,19 @@ class _HalfRouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        hi = grad.to(x.dtype)
-        lo = (grad - hi.float()).to(x.dtype)
+        E = grad.shape[1]
+        # [hi | lo] in x's dtype, written in place: hi = grad rounded, lo = (grad - hi) rounded.
+        split = torch.empty(grad.shape[0], 2 * E, dtype=x.dtype, device=grad.device)
+        hi = split[:, :E].copy_(grad)
+        torch.sub(grad, hi, out=split[:, E:])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # One product over [hi | lo] and [weight; weight]: the two parts summed in the GEMM's fp32
             # accumulator and rounded once into x's dtype, with no fp32 [T, d] tensor written or added.
-            dx = torch.mm(torch.cat((hi, lo), dim=1), torch.cat((weight, weight), dim=0))
+            dx = torch.mm(split, torch.cat((weight, weight), dim=0))
         if ctx.needs_input_grad[1]:
-            dw = (_fp32_mm(hi.t(), x) + _fp32_mm(lo.t(), x)).to(weight.dtype)
+            parts = _fp32_mm(split.t(), x)
+            dw = (parts[:E] + parts[E:]).to(weight.dtype)
         return dx, dw
 
 
