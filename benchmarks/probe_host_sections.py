@@ -43,7 +43,8 @@ def wrap_all() -> None:
     TopKRouter.forward = timed("router", TopKRouter.forward)
     GroupedLinear.forward = timed("GroupedLinear.forward", GroupedLinear.forward)
     for name in ("sort_by_expert", "unpermute", "permute"):
-        setattr(moe_mod, name, timed(name, getattr(moe_mod, name)))
+        if hasattr(moe_mod, name):
+            setattr(moe_mod, name, timed(name, getattr(moe_mod, name)))
     for name in list(moe_mod.ACTIVATIONS):
         moe_mod.ACTIVATIONS[name] = timed(f"activation {name}", moe_mod.ACTIVATIONS[name])
     for name in ("quantize", "quantize_permuted", "RAGGED_M", "RAGGED_K", "RAGGED_K_INTO", "take_fp8_copy",

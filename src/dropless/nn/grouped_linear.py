@@ -262,9 +262,11 @@ class GroupedLinear(nn.Module):
             if group_sizes.dtype.is_floating_point or group_sizes.dtype.is_complex or group_sizes.dtype == torch.bool:
                 raise TypeError(f"group_sizes must be an integer tensor (or a sequence of ints), got "
                                 f"{group_sizes.dtype}")
+            sizes = group_sizes
         elif any(isinstance(size, bool) or int(size) != size for size in group_sizes):
             raise TypeError(f"group_sizes must be ints, got {list(group_sizes)}")
-        sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
+        else:
+            sizes = torch.as_tensor(group_sizes, dtype=torch.int64)
         if sizes.shape != (self.num_experts,):
             raise ValueError(f"group_sizes must have shape [E] = [{self.num_experts}] (one size per expert), got "
                              f"{tuple(sizes.shape)}")
@@ -275,7 +277,7 @@ class GroupedLinear(nn.Module):
             if sum(values) > rows:
                 raise ValueError(f"group_sizes sum to {sum(values)}, more than the M={rows} rows of x "
                                  f"(got {values})")
-        return torch.cumsum(sizes.to(x.device, non_blocking=True), 0).to(torch.int32)
+        return torch.cumsum(sizes.to(x.device, non_blocking=True), 0, dtype=torch.int32)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, "

@@ -34,7 +34,10 @@ class _HalfRouterLogits(torch.autograd.Function):
         # [hi | lo] in x's dtype, written in place: hi = grad rounded, lo = (grad - hi) rounded.
         split = torch.empty(grad.shape[0], 2 * E, dtype=x.dtype, device=grad.device)
         hi = split[:, :E].copy_(grad)
-        torch.sub(grad, hi, out=split[:, E:])
+        if torch.compiler.is_compiling():
+            split[:, E:] = grad - hi  # a traced graph takes no strided out= (its compiler fuses this anyway)
+        else:
+            torch.sub(grad, hi, out=split[:, E:])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # One product over [hi | lo] and [weight; weight]: the two parts summed in the GEMM's fp32
