@@ -328,3 +328,30 @@ def test_route_sort_matches_sort_by_expert(case, backend, monkeypatch):
     inverse = _invert(routing.sorted_to_token_slot)
     assert torch.equal(routing.sorted_to_token_slot[inverse.long()].cpu(), torch.arange(T * k, dtype=torch.int32))
     assert route(logits.to(device), k).sorted_to_token_slot is None
+
+
+@pytest.mark.parametrize("sort", [False, True])
+def test_route_kernels_compile_fullgraph(sort, triton_backend):
+    """torch.compile traces the routing's custom ops (forward and backward) and gives eager's results."""
+    torch._dynamo.reset()
+    logits = torch.randn(21, 16, device=KERNEL_DEVICE)
+    grad_weights = torch.randn(21, 4, device=KERNEL_DEVICE)
+
+    def step(z):
+        routing = route(z, 4, score_func="sigmoid", n_groups=4, topk_groups=2, sort=sort)
+        loss = (routing.weights * grad_weights).sum() + routing.aux_loss + routing.z_loss
+        return routing.expert_ids, routing.sorted_to_token_slot, loss
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        z = logits.clone().requires_grad_()
+        ids, slots, loss = fn(z)
+        (grad,) = torch.autograd.grad(loss, z)
+        results.append((ids, slots, loss.detach(), grad))
+    (ids, slots, loss, grad), (ids_c, slots_c, loss_c, grad_c) = results
+    assert torch.equal(ids, ids_c)
+    assert (slots is None) == (not sort) and (slots_c is None) == (not sort)
+    if sort:
+        assert torch.equal(slots, slots_c)
+    torch.testing.assert_close(loss_c, loss)
+    torch.testing.assert_close(grad_c, grad)

@@ -122,8 +122,7 @@ def _route(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, s
     out = route_forward(logits, top_k, softmax, renormalize, scale, bias, n_groups, topk_groups, sort)
     if sort:
         return out
-    empty = logits.new_empty(0, dtype=torch.int32)
-    return *out, empty, empty, empty
+    return *out, *(logits.new_empty(0, dtype=torch.int32) for _ in range(3))  # a custom op's outputs never alias
 
 
 def _route_fake(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, scale: float,
