@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dropless
 from dropless.ops.direct import is_plain_call
+from dropless.ops.permute import sort_by_expert
 from tests.conftest import offsets_of, random_group_sizes
 
 
@@ -130,17 +131,19 @@ def test_swiglu_and_permute_direct_match_custom_ops(backend, grad_in_place):
     topk_ids = torch.randint(0, E + 1, (T, k), device=device)  # E: a sentinel, sent to no expert
     weights = torch.rand(T, k, dtype=dtype, device=device, requires_grad=True)
 
-    def layer(permute, glu, unpermute):
-        x_sorted, slots, _, offsets = permute(x, topk_ids, E)
+    slots, _, offsets = sort_by_expert(topk_ids, E)
+
+    def layer(gather, glu, unpermute):
+        x_sorted = gather(x, slots, offsets, k)
         h = torch.cat([x_sorted, x_sorted.flip(1)], dim=1)
         # No FP8 copies of the gradients: (quantize_grad, grad_pow2) and (grad_recipe, pow2, mx_rounding).
         return unpermute(glu(h, "silu", grad_in_place, None, False, False), slots, weights, offsets, T, None, False,
                          "floor")
 
     permute_ops, activation_ops = (importlib.import_module(f"dropless.ops.{name}") for name in ("permute", "activation"))
-    y_direct = layer(permute_ops._PERMUTE, activation_ops._GLU, permute_ops._UNPERMUTE)
+    y_direct = layer(permute_ops._GATHER, activation_ops._GLU, permute_ops._UNPERMUTE)
     assert _grad_fn_name(y_direct).startswith("Direct_dropless_unpermute")
-    y_op = layer(torch.ops.dropless.permute, torch.ops.dropless.glu, torch.ops.dropless.unpermute)
+    y_op = layer(torch.ops.dropless.gather_copies, torch.ops.dropless.glu, torch.ops.dropless.unpermute)
     dy = torch.randn_like(y_direct)
     grads_direct = torch.autograd.grad(y_direct, (x, weights), dy)
     grads_op = torch.autograd.grad(y_op, (x, weights), dy)

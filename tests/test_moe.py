@@ -107,10 +107,11 @@ def test_recompute_keeps_gradients_and_drops_what_it_recomputes(backend, name, r
     x = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
     dy = torch.randn(case["T"], case["d"], dtype=dtype, device=device)
     outputs, made = {}, {"activation": [], "permute": []}
-    swiglu, permute = moe_module.ACTIVATIONS["swiglu"], moe_module.permute
+    swiglu, gather_copies = moe_module.ACTIVATIONS["swiglu"], moe_module.gather_copies
     monkeypatch.setitem(moe_module.ACTIVATIONS, "swiglu",
                         lambda h, **kw: made["activation"].append(a := swiglu(h, **kw)) or a)
-    monkeypatch.setattr(moe_module, "permute", lambda *args: made["permute"].append(r := permute(*args)) or r)
+    monkeypatch.setattr(moe_module, "gather_copies",
+                        lambda *args: made["permute"].append(r := gather_copies(*args)) or r)
     for options in ({}, RECOMPUTE[recompute]):
         torch.manual_seed(0)
         moe = _build(case | options, dtype, device)
@@ -119,7 +120,7 @@ def test_recompute_keeps_gradients_and_drops_what_it_recomputes(backend, name, r
         x_in = x.clone().requires_grad_()
         y = moe(x_in)
         alive = {"activation": weakref.ref(made["activation"].pop(0)),
-                 "permute": weakref.ref(made["permute"].pop(0)[0])}
+                 "permute": weakref.ref(made["permute"].pop(0))}
         for what, ref in alive.items():
             dropped = options.get(f"recompute_{what}", False)
             assert (ref() is None) == dropped, f"{options}: the {what} output alive after the forward: {not dropped}"

@@ -10,7 +10,7 @@ from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.recompute import recomputed
 from dropless.nn.router import TopKRouter
 from dropless.ops.activation import geglu, swiglu
-from dropless.ops.permute import permute, unpermute
+from dropless.ops.permute import gather_copies, unpermute
 from dropless.parallel import combine, dispatch
 from dropless.parallel.dispatch import BACKENDS as EP_BACKENDS
 from dropless.quantized import QuantizedTensor, Recipe, operand_recipes
@@ -167,28 +167,26 @@ class MoE(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.d_model)
-        fp8_gather = self.ep_group is None and self.experts_gate_up.recipe is not None
-        routing = self.router(tokens, sort=fp8_gather)
+        # On one process the router also sorts the token copies by expert (its kernels' counting sort).
+        routing = self.router(tokens, sort=self.ep_group is None)
+        sorted_to_token_slot, offsets = routing.sorted_to_token_slot, routing.offsets
         shared, side = None, None
-        if fp8_gather:
+        if self.ep_group is None and self.experts_gate_up.recipe is not None:
             # FP8: the permute writes FP8 rows and their scales (the gate/up product quantizes each token
             # once and writes its copies); the permuted rows are never made in x's dtype. Backward,
             # unpermute writes the down projection's output gradient in FP8 too, which its product reads.
-            # The router sorts the copies by expert.
-            sorted_to_token_slot, offsets = routing.sorted_to_token_slot, routing.offsets
             y_sorted = self._experts(tokens, routing.tokens_per_expert, gather=(sorted_to_token_slot, self.top_k))
             y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets,
                           grad_recipe=operand_recipes(self.experts_down.recipe)[0])
         elif self.ep_group is None:
-            x_sorted, sorted_to_token_slot, group_sizes, offsets = permute(tokens, routing.expert_ids,
-                                                                           self.num_experts)
+            x_sorted = gather_copies(tokens, sorted_to_token_slot, offsets, self.top_k)
             if self.recompute_permute:
                 # Every id is a valid expert here, so x_sorted[p] is the token row of its slot.
                 copies = sorted_to_token_slot // self.top_k
                 with recomputed(x_sorted, lambda: tokens.index_select(0, copies)):
-                    y_sorted = self._experts(x_sorted, group_sizes)
+                    y_sorted = self._experts(x_sorted, routing.tokens_per_expert)
             else:
-                y_sorted = self._experts(x_sorted, group_sizes)
+                y_sorted = self._experts(x_sorted, routing.tokens_per_expert)
             y = unpermute(y_sorted, sorted_to_token_slot, routing.weights, offsets)
         else:
             # With a recipe, token rows travel in FP8 (quantized once, at their rank) and the gate/up

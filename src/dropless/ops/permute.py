@@ -9,11 +9,12 @@ is deterministic and each expert's rows keep token order. Expert ids outside ``[
 expert-parallel sentinel ``>= E``: the copy goes to no local expert) sort after every expert, past
 ``offsets[-1]``; their rows are zeros and unpermute skips them.
 
-Both ops are ``torch.library`` custom ops with fake implementations and autograd, so
-``torch.compile(fullgraph=True)`` traces through them; eager calls on plain tensors skip the
-dispatcher (``ops.direct``). Output shapes depend only on ``T``, ``k``,
-``d`` and ``E``, and nothing reads the routing on the host: no host sync on the Triton backend (the
-sort, the counts and the inverse map are device ops; the gathers are Triton kernels).
+permute is the sort (``sort_by_expert``, PyTorch ops) and the gather of the rows (``gather_copies``, which
+takes a sort made elsewhere too: ``route(..., sort=True)``'s); the gather and unpermute are
+``torch.library`` custom ops with fake implementations and autograd, so ``torch.compile(fullgraph=True)``
+traces through them; eager calls on plain tensors skip the dispatcher (``ops.direct``). Output shapes
+depend only on ``T``, ``k``, ``d`` and ``E``, and nothing reads the routing on the host: no host sync on the
+Triton backend (the sort, the counts and the inverse map are device ops; the gathers are Triton kernels).
 """
 
 from __future__ import annotations
@@ -87,21 +88,26 @@ def _top_k(weights: torch.Tensor | None, sorted_rows: int, num_tokens: int) -> i
     return sorted_rows // num_tokens if num_tokens else 0
 
 
-def _permute(x: torch.Tensor, topk_ids: torch.Tensor,
-             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reference_copies(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+                      top_k: int) -> torch.Tensor:
+    """permute's rows of x, ``x[sorted_to_token_slot[p] // top_k]``, zero at or past ``offsets[-1]``, in PyTorch."""
+    rows = x.index_select(0, sorted_to_token_slot.long() // top_k)
+    valid = torch.arange(sorted_to_token_slot.shape[0], device=x.device) < offsets[-1:]
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _gather_copies(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+                   top_k: int) -> torch.Tensor:
     if not use_triton(x.device):
-        return reference.permute(x, topk_ids, num_experts)
-    sorted_to_token_slot, group_sizes, offsets = sort_by_expert(topk_ids, num_experts)
-    k = topk_ids.shape[1]
-    x_sorted = torch.empty(x.shape[0] * k, x.shape[1], dtype=x.dtype, device=x.device)
-    permute_rows(x, _invert(sorted_to_token_slot), offsets, k, x_sorted)
-    return x_sorted, sorted_to_token_slot, group_sizes, offsets
+        return _reference_copies(x, sorted_to_token_slot, offsets, top_k)
+    x_sorted = torch.empty(sorted_to_token_slot.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    permute_rows(x, _invert(sorted_to_token_slot), offsets, top_k, x_sorted)
+    return x_sorted
 
 
-def _permute_fake(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
-    M = x.shape[0] * topk_ids.shape[1]
-    return (x.new_empty(M, x.shape[1]), topk_ids.new_empty(M, dtype=torch.int32),
-            topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(num_experts, dtype=torch.int32))
+def _gather_copies_fake(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+                        top_k: int) -> torch.Tensor:
+    return x.new_empty(sorted_to_token_slot.shape[0], x.shape[1])
 
 
 def _recipe_args(recipe: Recipe | None) -> tuple[str | None, bool, str]:
@@ -177,9 +183,7 @@ def _quantize_permuted(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offs
     r = _recipe_of(recipe, pow2, mx_rounding)
     M = sorted_to_token_slot.shape[0]
     if not use_triton(x.device):
-        rows = x.index_select(0, sorted_to_token_slot.long() // top_k)
-        valid = torch.arange(M, device=x.device) < offsets[-1:]
-        return reference.quantize(torch.where(valid[:, None], rows, 0), r, 1)
+        return reference.quantize(_reference_copies(x, sorted_to_token_slot, offsets, top_k), r, 1)
     data, scale = empty_quantized((M, x.shape[1]), r, 1, None, x.device)
     permute_rows(x, _invert(sorted_to_token_slot), offsets, top_k, None, quantized=(data, scale, r))
     return data, scale
@@ -191,16 +195,15 @@ def _quantize_permuted_fake(x: torch.Tensor, sorted_to_token_slot: torch.Tensor,
                            None, x.device)
 
 
-def _permute_setup_context(ctx, inputs, output) -> None:
-    x, _, _ = inputs
-    _, sorted_to_token_slot, _, offsets = output
+def _gather_setup_context(ctx, inputs, output) -> None:
+    x, sorted_to_token_slot, offsets, _ = inputs
     ctx.save_for_backward(sorted_to_token_slot, offsets)
     ctx.num_tokens = x.shape[0]
 
 
-def _permute_bwd(ctx, dx_sorted, *_):
+def _gather_bwd(ctx, dx_sorted):
     sorted_to_token_slot, offsets = ctx.saved_tensors
-    return sum_copies(dx_sorted, sorted_to_token_slot, offsets, ctx.num_tokens), None, None
+    return sum_copies(dx_sorted, sorted_to_token_slot, offsets, ctx.num_tokens), None, None, None
 
 
 def _unpermute_setup_context(ctx, inputs, output) -> None:
@@ -223,8 +226,8 @@ def _unpermute_bwd(ctx, dy):
             dweights if need_dweights else None, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
-_PERMUTE = DirectOp.define("permute", _permute, _permute_fake, backward=_permute_bwd,
-                           setup_context=_permute_setup_context)
+_GATHER = DirectOp.define("gather_copies", _gather_copies, _gather_copies_fake, backward=_gather_bwd,
+                          setup_context=_gather_setup_context)
 _UNPERMUTE = DirectOp.define("unpermute", _unpermute, _unpermute_fake, backward=_unpermute_bwd,
                              setup_context=_unpermute_setup_context)
 _UNPERMUTE_BACKWARD = DirectOp.define("unpermute_backward", _unpermute_backward, _unpermute_backward_fake)
@@ -268,7 +271,17 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if T * k > _MAX_ROWS:
         raise ValueError(f"topk_ids has T*k = {T * k} copies; at most 2**31 - 1 are supported (int32 indices)")
-    return _PERMUTE(x, topk_ids, num_experts)
+    sorted_to_token_slot, group_sizes, offsets = sort_by_expert(topk_ids, num_experts)
+    return _GATHER(x, sorted_to_token_slot, offsets, k), sorted_to_token_slot, group_sizes, offsets
+
+
+def gather_copies(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
+                  top_k: int) -> torch.Tensor:
+    """``permute``'s rows of the tokens ``x [T, d]`` for copies already sorted (``route(..., sort=True)``):
+    ``x_sorted[p] = x[sorted_to_token_slot[p] // top_k]``, ``[T*k, d]`` in x's dtype, zero at or past
+    ``offsets[-1]``. Differentiable in x as permute is. ``sorted_to_token_slot`` and ``offsets`` as permute
+    returns them; arguments are not checked (the callers hold the sort's own outputs)."""
+    return _GATHER(x, sorted_to_token_slot, offsets, top_k)
 
 
 def sum_copies(rows: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
