@@ -151,18 +151,23 @@ def test_route_kernel_gradient_of_each_output_alone(uses, triton_backend):
     torch.testing.assert_close(grads["triton"].cpu(), grads["reference"], rtol=1e-4, atol=1e-7)
 
 
-def test_route_kernels_write_every_output(triton_backend, monkeypatch):
-    """Every buffer the kernels allocate starts poisoned (NaN, or -7 for integers): every element read
-    back was written."""
+def _poison_empty(monkeypatch) -> None:
+    """Every ``torch.empty`` until ``monkeypatch.undo()`` starts NaN (floats) or -7 (integers)."""
     real_empty = torch.empty
 
     def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
         t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
         return t.fill_(float("nan") if t.is_floating_point() else -7)
 
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+def test_route_kernels_write_every_output(triton_backend, monkeypatch):
+    """Every buffer the kernels allocate starts poisoned (NaN, or -7 for integers): every element read
+    back was written."""
     T, E, k = 45, 40, 5
     logits = torch.randn(T, E).to(KERNEL_DEVICE).requires_grad_()
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    _poison_empty(monkeypatch)
     routing = route(logits, k, score_func="sigmoid", expert_bias=torch.randn(E, device=KERNEL_DEVICE))
     (grad,) = torch.autograd.grad(routing.weights.sum() + routing.aux_loss + routing.z_loss, logits)
     monkeypatch.undo()
@@ -308,13 +313,7 @@ def test_route_sort_matches_sort_by_expert(case, backend, monkeypatch):
     logits = torch.randn(T, E) * 2
     if case == "one giant group":
         logits[:, 5] += 50.0  # every token's first choice
-    real_empty = torch.empty
-
-    def poisoned_empty(*shape, dtype=None, device=None, **kwargs):
-        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -7)
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    _poison_empty(monkeypatch)
     routing = route(logits.to(device), k, sort=True, **options)
     monkeypatch.undo()
     slots, sizes, offsets = sort_by_expert(routing.expert_ids, E)
