@@ -246,6 +246,7 @@ def test_route_gradcheck_fp64():
     ({"n_groups": 3, "topk_groups": 1}, "n_groups"),
     ({"n_groups": 4, "topk_groups": 5}, "topk_groups"),
     ({"n_groups": 4, "topk_groups": 1, "top_k": 3}, "fewer than top_k"),
+    ({"expert_bias": torch.zeros(5)}, r"expert_bias must have shape \[E=8\]"),
 ])
 def test_route_rejects_bad_options(kwargs, match):
     top_k = kwargs.pop("top_k", 2)
