@@ -39,6 +39,7 @@ from dropless.bench.options import select_by_name
 from dropless.bench.routing import draw_topk
 from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.moe import MoE
+from dropless.ops.permute import sort_by_expert
 from dropless.ops.router_logits import router_logits
 from dropless.ops.routing import Routing
 
@@ -105,7 +106,8 @@ def select_configs(names: Sequence[str] | None, quick: bool) -> list[EpLayerConf
 class DrawnRouter(nn.Module):
     """Stands in for a ``MoE``'s router: the router's fp32 logits ``x @ weight^T`` and scores, its choice
     of experts replaced by ``expert_ids`` drawn beforehand; weights = the scores at those experts,
-    renormalized and scaled. The auxiliary losses are zeros (``aux_loss_coef`` is 0 in the benchmark).
+    renormalized and scaled. The auxiliary losses are zeros (``aux_loss_coef`` is 0 in the benchmark). With
+    ``sort`` (the layer on one process asks for it) the copies are sorted by ``sort_by_expert``.
 
     weight: ``[E_router, d]`` (may score more experts than the layer has: the reference scores all E);
     expert_ids: int64 ``[T, k]`` in ``[0, num_experts)``, for inputs of exactly T tokens.
@@ -118,14 +120,17 @@ class DrawnRouter(nn.Module):
         self.num_experts = num_experts
         self.scale = scale
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, sort: bool = False) -> Routing:
         scores = torch.sigmoid(router_logits(x, self.weight))
         weights = scores.gather(1, self.expert_ids)
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.scale
+        zero = scores.new_zeros(())
+        if sort:
+            sorted_to_token_slot, tokens, offsets = sort_by_expert(self.expert_ids, self.num_experts)
+            return Routing(weights, self.expert_ids, tokens, zero, zero, sorted_to_token_slot, offsets)
         flat = self.expert_ids.flatten()
         tokens = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         tokens.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        zero = scores.new_zeros(())
         return Routing(weights, self.expert_ids, tokens, zero, zero)
 
 
