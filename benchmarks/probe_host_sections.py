@@ -22,6 +22,7 @@ from dropless.bench.moe_layers import build_dropless, make_weights, select_confi
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.router import TopKRouter
+from probe_launch_cost import per_call_us
 
 TOTALS: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -59,15 +60,7 @@ def wrap_all() -> None:
 
 def host_ms(step, rounds: int = 8, n: int = 4) -> float:
     """The least host time a step over ``rounds`` rounds of ``n`` steps queued behind a GPU sleep."""
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda._sleep(int(2e8))
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        best = min(best, (time.perf_counter() - t) / n * 1e3)
-        torch.cuda.synchronize()
-    return best
+    return per_call_us(step, True, rounds, n) / 1e3
 
 
 def wall_ms(step, rounds: int = 3, n: int = 20) -> float:
