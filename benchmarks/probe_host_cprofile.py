@@ -13,18 +13,10 @@ import time
 
 import torch
 
-from dropless.bench.moe import _step
-from dropless.bench.moe_layers import build_dropless, make_weights, select_configs
+from layer_step import layer_steps
 
 recipe = None if sys.argv[1] == "bf16" else sys.argv[1]
-cfg = select_configs(["qwen3"], quick=False)[0]
-w = make_weights(cfg, torch.bfloat16, torch.device("cuda"))
-x = w.x.detach().requires_grad_()
-built = build_dropless(cfg, w, recipe)
-step = _step(built, x, w.dy)
-for _ in range(5):
-    step()
-torch.cuda.synchronize()
+step = layer_steps("qwen3", [recipe])[recipe]
 prof = cProfile.Profile()
 total = 0.0
 for _ in range(5):

@@ -17,11 +17,11 @@ from triton.runtime.jit import JITFunction
 
 import dropless.nn.moe as moe_mod
 import dropless.ops.grouped_mm_fp8 as fp8_mod
-from dropless.bench.moe import _step
-from dropless.bench.moe_layers import build_dropless, make_weights, select_configs
+from dropless.bench.timing import back_to_back_ms
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.nn.grouped_linear import GroupedLinear
 from dropless.nn.router import TopKRouter
+from layer_step import layer_steps
 from probe_launch_cost import per_call_us
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -65,15 +65,7 @@ def host_ms(step, rounds: int = 8, n: int = 4) -> float:
 
 def wall_ms(step, rounds: int = 3, n: int = 20) -> float:
     """The median over ``rounds`` of ``n`` steps run back to back, per step."""
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / n * 1e3)
-    return sorted(times)[len(times) // 2]
+    return sorted(back_to_back_ms(step, n) for _ in range(rounds))[rounds // 2]
 
 
 def sections(step, rounds: int = 8, n: int = 4) -> dict[str, tuple[float, float]]:
@@ -98,18 +90,11 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["qwen3"])
     p.add_argument("--recipes", nargs="+", default=["bf16", "rowwise"])
     args = p.parse_args()
-    dev = torch.device("cuda")
     steps = {}
-    for cfg in select_configs(args.configs, quick=False):
-        w = make_weights(cfg, torch.bfloat16, dev)
-        x = w.x.detach().requires_grad_()
-        for recipe in args.recipes:
-            built = build_dropless(cfg, w, None if recipe == "bf16" else recipe)
-            step = _step(built, x, w.dy)
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            steps[(cfg.name, recipe)] = (step, host_ms(step), wall_ms(step))
+    for config in args.configs:
+        built = layer_steps(config, [None if recipe == "bf16" else recipe for recipe in args.recipes])
+        for recipe, step in built.items():
+            steps[(config, recipe or "bf16")] = (step, host_ms(step), wall_ms(step))
     wrap_all()
     for (name, recipe), (step, plain, wall) in steps.items():
         for _ in range(3):

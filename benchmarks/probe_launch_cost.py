@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dropless.bench.moe import _step
-from dropless.bench.moe_layers import build_dropless, make_weights, select_configs
+from layer_step import layer_steps
 
 
 @triton.jit
@@ -51,11 +50,7 @@ def main() -> None:
     print(f"{'call':34s} {'idle us':>8s} {'behind sleep us':>16s}")
     for name, fn in cases.items():
         print(f"{name:34s} {per_call_us(fn, False):8.1f} {per_call_us(fn, True):16.1f}")
-    cfg = select_configs(["qwen3"], quick=False)[0]
-    w = make_weights(cfg, torch.bfloat16, torch.device("cuda"))
-    xs = w.x.detach().requires_grad_()
-    for recipe in (None, "rowwise"):
-        step = _step(build_dropless(cfg, w, recipe), xs, w.dy)
+    for recipe, step in layer_steps("qwen3", [None, "rowwise"]).items():
         idle = per_call_us(step, False, rounds=8, n=1) / 1e3
         queued = per_call_us(step, True, rounds=8, n=1) / 1e3
         print(f"qwen3 {recipe or 'bf16'} step host, ms: idle-started {idle:.3f}, behind a sleep {queued:.3f}")

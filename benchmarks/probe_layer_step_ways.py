@@ -10,34 +10,14 @@ from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from dropless.bench.moe import _step
-from dropless.bench.moe_layers import build_dropless, make_weights, select_configs
+from dropless.bench.timing import back_to_back_ms
+from layer_step import layer_steps
 
 tag, config, recipe = sys.argv[1], sys.argv[2], sys.argv[3]
 recipe = None if recipe == "bf16" else recipe
-cfg = select_configs([config], quick=False)[0]
-w = make_weights(cfg, torch.bfloat16, torch.device("cuda"))
-x = w.x.detach().requires_grad_()
-built = build_dropless(cfg, w, recipe)
-step = _step(built, x, w.dy)
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    for _ in range(5):
-        step()
-torch.cuda.current_stream().wait_stream(side)
-torch.cuda.synchronize()
+step = layer_steps(config, [recipe])[recipe]
 
-def timed(fn, n):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n
-
-eager = min(timed(step, 10) for _ in range(3))
+eager = min(back_to_back_ms(step, 10) for _ in range(3))
 torch.cuda._sleep(int(2e9))  # ~1 s of GPU time: the host queues the steps alone
 t0 = time.perf_counter()
 for _ in range(4):
@@ -47,7 +27,7 @@ torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
     out = step()
-replay = min(timed(graph.replay, 10) for _ in range(3))
+replay = min(back_to_back_ms(graph.replay, 10) for _ in range(3))
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
     for _ in range(3):
         step()

@@ -5,22 +5,9 @@ rowwise: the replay's span against its kernels' sum, the largest gaps between ke
 """
 import torch
 from torch.profiler import ProfilerActivity, profile
-from dropless.bench.moe import _step
-from dropless.bench.moe_layers import build_dropless, make_weights, select_configs
+from layer_step import layer_steps
 
-for recipe in (None, "rowwise"):
-    cfg = select_configs(["qwen3"], quick=False)[0]
-    w = make_weights(cfg, torch.bfloat16, torch.device("cuda"))
-    x = w.x.detach().requires_grad_()
-    built = build_dropless(cfg, w, recipe)
-    step = _step(built, x, w.dy)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(4):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+for recipe, step in layer_steps("qwen3", [None, "rowwise"], warmup=4).items():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -41,5 +28,5 @@ for recipe in (None, "rowwise"):
         print(f"   gap {g[0]:7.0f} us after {g[1]} before {g[2]}")
     for s in slow:
         print(f"   {s[0]:7.0f} us {s[1]}")
-    del built, step, graph
+    del graph
     torch.cuda.empty_cache()
