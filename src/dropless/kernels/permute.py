@@ -39,7 +39,7 @@ import triton.language as tl
 
 from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
-from dropless.kernels.quantize import _raw
+from dropless.kernels.quantize import scale_bits
 from dropless.quantized import Recipe
 
 _MAX_BLOCK_D = 256
@@ -223,7 +223,7 @@ def permute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: torch
     w_arg = weights if weights is not None else src
     other_arg = other if dot else src
     data_arg = data if data is not None else rows
-    scale_arg = _raw(scale) if scale is not None else rows
+    scale_arg = scale_bits(scale) if scale is not None else rows
     _permute_kernel[(cdiv(T, block_t),)](
         src, slot_to_sorted, offsets, rows, w_arg, other_arg, dweights if dot else rows, data_arg, scale_arg,
         T, D, top_k, offsets.shape[0], scale.shape[1] if scale is not None else 0,

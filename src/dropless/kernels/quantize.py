@@ -393,8 +393,8 @@ def _wide(*largest_offsets: int) -> bool:
     return max(largest_offsets, default=0) >= 2**31
 
 
-def _raw(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 scales are written as their bytes."""
+def scale_bits(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as the kernels take them: fp32 ones as they are, E8M0 ones as their bytes."""
     return scale.view(torch.uint8) if scale.element_size() == 1 else scale
 
 
@@ -436,8 +436,8 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             BLOCK_R=block_r, E_POW2=next_power_of_2(E + 1), SLOT_BLOCK=_SLOT_BLOCK, num_warps=4)
     for amax_pass in (True, False) if rowwise else (False,):
         _tile_kernel[grid](
-            x, x if data_r is None else data_r, x if scale_r is None else _raw(scale_r),
-            x if data_c is None else data_c, x if scale_c is None else _raw(scale_c), amax_r, amax_c,
+            x, x if data_r is None else data_r, x if scale_r is None else scale_bits(scale_r),
+            x if data_c is None else data_c, x if scale_c is None else scale_bits(scale_c), amax_r, amax_c,
             slot_table, x if rows is None else rows, x if bound is None else bound,
             R, C, E, slots, scale_rows_r, data_rows_r,
             x.stride(0), x.stride(1), x.stride(2),
@@ -478,7 +478,7 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if offsets is not None and dim == 0 and quantize_groups_hopper_ok(x, data, recipe, rows):
         M = x.shape[0] if rows is None else rows.shape[0]
-        quantize_groups_hopper(x, data, _raw(scale), recipe, offsets, bound is not None,
+        quantize_groups_hopper(x, data, scale_bits(scale), recipe, offsets, bound is not None,
                                grouped_scale_rows(M, offsets.shape[0], recipe.block), rows)
     elif dim == x.dim() - 2:
         _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows, bound=bound)
@@ -530,7 +530,7 @@ def quantize_weight_3d(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tens
     """
     launch_info(w.device)
     if quantize_weight_hopper_ok(w, data_k, data_n, recipe):
-        quantize_weight_hopper(w, data_k, data_n, _raw(scale_k), _raw(scale_k if recipe.tile else scale_n), recipe)
+        quantize_weight_hopper(w, data_k, data_n, scale_bits(scale_k), scale_bits(scale_k if recipe.tile else scale_n), recipe)
     else:
         _launch_tiles(w, recipe, data_r=data_k, scale_r=scale_k, data_c=data_n,
                       scale_c=None if recipe.tile else scale_n)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
-from dropless.kernels.quantize import _raw
+from dropless.kernels.quantize import scale_bits
 from dropless.quantized import Recipe
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -241,7 +241,7 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activat
     backward = da is not None
     da_arg = da if backward else h  # unread in the forward; any tensor fills the slot
     data_arg = data if quantize else out  # likewise unread without a quantized copy
-    scale_arg = _raw(scale) if quantize else out
+    scale_arg = scale_bits(scale) if quantize else out
     _glu_kernel[grid](
         h, da_arg, out, data_arg, scale_arg, rows if rows is not None else out,
         M, F, scale.shape[1] if quantize else 0,

@@ -12,6 +12,7 @@ import torch
 
 from dropless.kernels.config import GemmConfig
 from dropless.kernels.launch import LaunchInfo, hopper_gluon_device, launch_info, weight_nk
+from dropless.kernels.quantize import scale_bits
 from dropless.kernels.tuning import run_ragged_k_fp8, run_ragged_m_fp8
 from dropless.quantized import QuantizedTensor
 
@@ -49,7 +50,7 @@ def launch_ragged_m_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
         ragged_m_mm_hopper(a.data, b.data, offsets, c, config or GLUON_FP8, launch_info(c.device).num_programs,
                            scales, tail)
         return
-    run_ragged_m_fp8(a.data, _raw(a.scale), _A_BLOCKS[a.recipe.name], b.data, _raw(b.scale), _B_BLOCKS[b.recipe.name],
+    run_ragged_m_fp8(a.data, scale_bits(a.scale), _A_BLOCKS[a.recipe.name], b.data, scale_bits(b.scale), _B_BLOCKS[b.recipe.name],
                      offsets, c, fast_accum=a.recipe.name == "rowwise", config=config, tail=tail)
 
 
@@ -58,10 +59,5 @@ def launch_ragged_k_fp8(a: QuantizedTensor, b: QuantizedTensor, offsets: torch.T
     """``c[e] (+)= a_e^T b_e`` of ``a`` and ``b`` quantized along the tokens per group (data ``[Mp, K]`` and
     ``[Mp, N]``, each group from a 128-aligned row), into (or added to) ``c [E, K, N]`` (any strides); no
     host sync."""
-    run_ragged_k_fp8(a.data, _raw(a.scale), b.data, _raw(b.scale), a.recipe.block, offsets, c, accumulate, flags,
+    run_ragged_k_fp8(a.data, scale_bits(a.scale), b.data, scale_bits(b.scale), a.recipe.block, offsets, c, accumulate, flags,
                      fast_accum=a.recipe.name == "rowwise", config=config)
-
-
-def _raw(scale: torch.Tensor) -> torch.Tensor:
-    """fp32 scales as they are, E8M0 ones as their bytes."""
-    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale

@@ -34,7 +34,7 @@ from dropless.ops.checks import (
 )
 from dropless.ops.direct import DirectOp
 from dropless.ops.fp8_gradient import attach_fp8_copy
-from dropless.ops.quantize import _recipe_of, empty_quantized
+from dropless.ops.quantize import recipe_of, empty_quantized
 from dropless.quantized import QuantizedTensor, Recipe
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -145,7 +145,7 @@ def _unpermute_backward(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to_toke
     T, M = dy.shape[0], sorted_to_token_slot.shape[0]
     k = _top_k(weights, M, T)
     with_dweights = need_dweights and weights is not None
-    recipe = _recipe_of(grad_recipe, pow2, mx_rounding) if grad_recipe is not None else None
+    recipe = recipe_of(grad_recipe, pow2, mx_rounding) if grad_recipe is not None else None
     if not use_triton(dy.device):
         w = weights if weights is not None else dy.new_ones(T, k)
         dy_sorted, dweights = reference.unpermute_backward(dy, y_sorted, sorted_to_token_slot, w, offsets)
@@ -173,14 +173,14 @@ def _unpermute_backward_fake(dy: torch.Tensor, y_sorted: torch.Tensor, sorted_to
     dweights = weights.new_empty(weights.shape) if need_dweights and weights is not None else dy.new_empty(0)
     if grad_recipe is None:
         return dy_sorted, dweights, dy.new_empty(0), dy.new_empty(0)
-    return dy_sorted, dweights, *empty_quantized(dy_sorted.shape, _recipe_of(grad_recipe, pow2, mx_rounding), 1,
+    return dy_sorted, dweights, *empty_quantized(dy_sorted.shape, recipe_of(grad_recipe, pow2, mx_rounding), 1,
                                                  None, dy.device)
 
 
 def _quantize_permuted(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor, top_k: int,
                        recipe: str, pow2: bool, mx_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of permute's rows of x quantized along d (zero rows at or past ``offsets[-1]``)."""
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     M = sorted_to_token_slot.shape[0]
     if not use_triton(x.device):
         return reference.quantize(_reference_copies(x, sorted_to_token_slot, offsets, top_k), r, 1)
@@ -191,7 +191,7 @@ def _quantize_permuted(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offs
 
 def _quantize_permuted_fake(x: torch.Tensor, sorted_to_token_slot: torch.Tensor, offsets: torch.Tensor,
                             top_k: int, recipe: str, pow2: bool, mx_rounding: str):
-    return empty_quantized((sorted_to_token_slot.shape[0], x.shape[1]), _recipe_of(recipe, pow2, mx_rounding), 1,
+    return empty_quantized((sorted_to_token_slot.shape[0], x.shape[1]), recipe_of(recipe, pow2, mx_rounding), 1,
                            None, x.device)
 
 
@@ -221,7 +221,7 @@ def _unpermute_bwd(ctx, dy):
     dy_sorted, dweights, data, scale = _UNPERMUTE_BACKWARD(dy, y_sorted, sorted_to_token_slot, weights, offsets,
                                                            need_dweights, name, pow2, mx_rounding)
     if name is not None:
-        attach_fp8_copy(dy_sorted, QuantizedTensor(data, scale, _recipe_of(name, pow2, mx_rounding), 1))
+        attach_fp8_copy(dy_sorted, QuantizedTensor(data, scale, recipe_of(name, pow2, mx_rounding), 1))
     return (dy_sorted if ctx.needs_input_grad[0] else None, None,
             dweights if need_dweights else None, *([None] * (len(ctx.needs_input_grad) - 3)))
 

@@ -55,7 +55,8 @@ def empty_quantized(shape: tuple[int, ...], recipe: Recipe, dim: int, num_groups
 
 
 @functools.cache
-def _recipe_of(name: str, pow2: bool, mx_rounding: str) -> Recipe:
+def recipe_of(name: str, pow2: bool, mx_rounding: str) -> Recipe:
+    """The recipe a custom op's arguments name (already checked), one object per combination."""
     return replace(RECIPES[name], pow2=pow2, mx_rounding=mx_rounding)
 
 
@@ -69,7 +70,7 @@ def _quantize(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | No
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of x (or ``x[rows]``) quantized along dim (non-negative) with the recipe named
     ``recipe``; per group along dim 0 with offsets, else offsets only bound the rows (``tail=False``)."""
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     groups = offsets if dim == 0 else None
     if not use_triton(x.device):
         return reference.quantize(x if rows is None else x.index_select(0, rows), r, dim, groups)
@@ -81,7 +82,7 @@ def _quantize(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | No
 def _quantize_fake(x: torch.Tensor, recipe: str, dim: int, offsets: torch.Tensor | None, pow2: bool,
                    mx_rounding: str, rows: torch.Tensor | None = None, tail: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     groups = None if offsets is None or dim != 0 else offsets.shape[0]
     return empty_quantized(_operand_shape(x, rows), r, dim, groups, x.device)
 
@@ -90,7 +91,7 @@ def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bo
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data_k, scale_k, data_m, scale_m)`` of a 2D x quantized along dim 1 and along dim 0 per group
     with the recipe named ``recipe``: one launch of the tile kernel on the Triton backend (two for rowwise)."""
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     if not use_triton(x.device):
         return *reference.quantize(x, r, 1), *reference.quantize(x, r, 0, offsets)
     data_k, scale_k, data_m, scale_m = _quantize_pair_fake(x, recipe, offsets, pow2, mx_rounding)
@@ -100,7 +101,7 @@ def _quantize_pair(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bo
 
 def _quantize_pair_fake(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow2: bool, mx_rounding: str
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     return (*empty_quantized(x.shape, r, 1, None, x.device),
             *empty_quantized(x.shape, r, 0, offsets.shape[0], x.device))
 
@@ -108,7 +109,7 @@ def _quantize_pair_fake(x: torch.Tensor, recipe: str, offsets: torch.Tensor, pow
 def _quantize_weight(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(data_k, scale_k, data_n, scale_n)``; block128x128's one scale is scale_k (scale_n is empty)."""
-    r = _recipe_of(recipe, pow2, mx_rounding)
+    r = recipe_of(recipe, pow2, mx_rounding)
     if not use_triton(w.device):
         data_k, scale_k = reference.quantize(w, r, 1)
         data_n, scale_n = reference.quantize(w, r, 2)
@@ -125,7 +126,7 @@ def _empty_weight(w: torch.Tensor, r: Recipe) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _quantize_weight_fake(w: torch.Tensor, recipe: str, pow2: bool, mx_rounding: str):
-    data_k, data_n, scale_k, scale_n = _empty_weight(w, _recipe_of(recipe, pow2, mx_rounding))
+    data_k, data_n, scale_k, scale_n = _empty_weight(w, recipe_of(recipe, pow2, mx_rounding))
     return data_k, scale_k, data_n, scale_n
 
 
