@@ -62,7 +62,9 @@ def main() -> None:
             for _ in range(5):
                 steps["rowwise cached"]()
             profile.disable()
-            pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+            stats = pstats.Stats(profile)
+            stats.sort_stats("tottime").print_stats(45)
+            stats.sort_stats("cumulative").print_stats(70)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ else:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import hashlib  # noqa: E402
+import importlib  # noqa: E402
 import random  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
@@ -33,6 +34,7 @@ import pytest  # noqa: E402
 import dropless  # noqa: E402
 from dropless import backend as backend_module  # noqa: E402
 from dropless.ops import checks as checks_module  # noqa: E402
+quantize_module = importlib.import_module("dropless.ops.quantize")  # the module: ops exports the function too
 
 # The device the Triton kernels run on: the GPU when there is one, else the CPU under the interpreter.
 KERNEL_DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -63,8 +65,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _seed_and_restore_state(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Seed torch and random from the test's id (fresh data per test, reproducible per test) and undo
-    any ``set_backend`` / ``set_validation`` the test makes."""
+    """Seed torch and random from the test's id (fresh data per test, reproducible per test), undo any
+    ``set_backend`` / ``set_validation`` the test makes, and start ``quantize`` with no plans kept (a test
+    that changes what the kernels choose then sees its change)."""
     seed = int.from_bytes(hashlib.sha256(request.node.nodeid.encode()).digest()[:4], "little")
     torch.manual_seed(seed)
     random.seed(seed)
@@ -72,6 +75,7 @@ def _seed_and_restore_state(request: pytest.FixtureRequest, monkeypatch: pytest.
     monkeypatch.delenv("DROPLESS_VALIDATE", raising=False)
     monkeypatch.setattr(backend_module, "_backend", None)
     monkeypatch.setattr(checks_module, "_validate", None)
+    monkeypatch.setattr(quantize_module, "_PLANS", {})
     yield
     dropless.set_backend("auto")
 

@@ -8,6 +8,7 @@ poisoned before the kernels run, argument errors, and the swizzled MX scale layo
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -20,6 +21,8 @@ from dropless.bench.routing import group_sizes
 from dropless.kernels import quantize as quantize_kernels
 from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
 from dropless.ops.quantize import check_quantized, empty_quantized, quantize_pair
+
+quantize_ops = importlib.import_module("dropless.ops.quantize")  # the module: ops exports the function too
 from dropless.quantized import E8M0_DTYPE, FP8_DTYPE, QuantizedTensor, get_recipe
 
 # (recipe, options): every recipe and option the kernels specialize on.
@@ -105,6 +108,7 @@ def test_rowwise_rows_longer_than_a_step(triton_backend, monkeypatch):
     for shape in (None, (4, 32, 4)):
         if shape is not None:
             monkeypatch.setattr(quantize_kernels, "_rowwise_shape", lambda K: shape)
+            monkeypatch.setattr(quantize_ops, "_PLANS", {})  # the plans kept hold the shape chosen before
         for opts in ({}, {"pow2": True}):
             assert_same(dropless.quantize(x, "rowwise", 1, **opts), *reference_q(x, "rowwise", opts, 1))
 
@@ -915,6 +919,68 @@ class _Counted:
     def __getitem__(self, grid):
         self.launches.append(grid)
         return self.kernel[grid]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans: what an eager call decided, kept per call signature
+
+
+# (dim, per group, rows read by index, tail): the calls the FP8 products make, and plain ones.
+PLAN_CALLS = [(1, False, False, True), (1, False, False, False), (0, True, False, False), (0, True, True, False),
+              (0, True, False, True), (0, False, False, True)]
+
+
+@pytest.mark.parametrize("name, opts", GROUP_RECIPES, ids=GROUP_RECIPE_IDS)
+@pytest.mark.parametrize("dim, grouped, gathered, tail", PLAN_CALLS)
+def test_plan_gives_the_checked_calls_bits(triton_backend, name, opts, dim, grouped, gathered, tail):
+    """The second call of a signature runs the plan its first call kept and gives, on fresh inputs (other
+    values, other group sizes, the same shapes), the reference's bytes: all of them, or with
+    ``tail=False`` those of the groups' rows."""
+    recipe = get_recipe(name, **opts)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    M, K, T = 200, 96, 150
+    for call, sizes in enumerate(([0, 70, 0, 81], [150, 0, 30, 0])):
+        source = planted((T if gathered else M, K), dtype, triton_backend)
+        rows = torch.randint(0, T, (M,), device=triton_backend) if gathered else None
+        offsets = offsets_of(sizes, triton_backend) if grouped or not tail else None
+        q = dropless.quantize(source, name, dim, offsets if grouped or not tail else None, rows=rows, tail=tail,
+                              **opts)
+        assert len(quantize_ops._PLANS) == 1, f"call {call} keeps one plan for one signature"
+        operand = source if rows is None else source[rows]
+        ref_data, ref_scale = reference.quantize(operand.cpu(), recipe, dim, offsets.cpu() if grouped else None)
+        written, scale_rows = ref_data.shape[0], ref_scale.shape[0]
+        if not tail:
+            routed = sum(sizes)
+            written = data_rows_of([*sizes, M - routed], M)[0][-1] if grouped else routed
+            scale_rows = routed if not grouped else len(sizes) if recipe.block is None else \
+                routed // recipe.block + len(sizes)
+        assert_same_bits(q.data[:written], ref_data[:written], f"call {call}")
+        assert torch.equal(raw(q.scale[:scale_rows]).cpu(), raw(ref_scale[:scale_rows])), f"call {call}"
+        assert (q.dim, q.recipe, q.tokens) == (dim, recipe, M if grouped else None)
+        assert (q.offsets is None) != grouped and (not grouped or q.offsets.tolist() == offsets.tolist())
+        check_quantized("q", q, ndim=2, dim=dim)
+
+
+def test_plan_keeps_the_checks(triton_backend):
+    """A signature with a plan still refuses what its checks refuse: a dim given as a bool, another dtype,
+    offsets of the wrong dtype; and calls that validate offsets on the device keep no plan."""
+    x = torch.randn(64, 32, device=triton_backend)
+    offsets = offsets_of([30, 20], triton_backend)
+    dropless.quantize(x, "rowwise", 1)
+    dropless.quantize(x, "rowwise", 0, offsets)
+    assert len(quantize_ops._PLANS) == 2
+    with pytest.raises(ValueError, match=r"^dim must be an int"):
+        dropless.quantize(x, "rowwise", True)
+    with pytest.raises(TypeError, match=r"^offsets must be int32 or int64"):
+        dropless.quantize(x, "rowwise", 0, offsets.float())
+    with pytest.raises(TypeError, match=r"^x must be a floating tensor"):
+        dropless.quantize(x.to(torch.int32), "rowwise", 1)
+    dropless.set_validation(True)
+    try:
+        dropless.quantize(x, "rowwise", 0, offsets_of([10, 20], triton_backend))
+    finally:
+        dropless.set_validation(False)
+    assert len(quantize_ops._PLANS) == 2
 
 
 # ---------------------------------------------------------------------------------------------------

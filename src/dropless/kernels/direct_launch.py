@@ -11,6 +11,8 @@ descriptor's dtype, block shape and layout, and for every other argument Triton'
 pointer alignment, integer width and divisibility), and a cheaper one made on every call that is at
 least as fine (the constexpr and integer values themselves, each tensor's dtype and 16-byte alignment,
 each descriptor's dtype, block shape and layout), which maps to the compiled kernel of the first.
+Under Triton's interpreter (``TRITON_INTERPRET=1``, where kernels are not compiled) every call goes
+through the kernel's own launch.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ class DirectLaunch:
 
     def __init__(self, kernel: JITFunction) -> None:
         self.kernel = kernel
-        self.params = list(kernel.params)
-        self._values = operator.itemgetter(*(p.name for p in self.params))
+        # An interpreted kernel (TRITON_INTERPRET=1) has no compiled form, nor the JIT's parameters.
+        self.compiles = isinstance(kernel, JITFunction)
+        self.params = list(kernel.params) if self.compiles else []
+        self._values = operator.itemgetter(*(p.name for p in self.params)) if self.compiles else None
         self._runtime = [i for i, p in enumerate(self.params) if not p.is_constexpr]
         self._constants: dict[tuple[str, ...], operator.itemgetter] = {}
         self.compiled: dict[tuple, Any] = {}
@@ -63,6 +67,9 @@ class DirectLaunch:
         """Launch on ``grid``. ``call_key``: the caller's own per-call key, which must determine every
         argument's specialization and the compile options (shapes, strides, dtypes, the 16-byte alignment
         of each pointer, the constexprs' sources); without it one is made from the arguments."""
+        if not self.compiles:
+            self.kernel[grid](**args)
+            return
         values = self._values(args)
         device = torch.cuda.current_device()
         make_context_current(device)

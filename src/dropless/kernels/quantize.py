@@ -42,10 +42,13 @@ the GPU the cast is the hardware's ``cvt.rn.satfinite``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.fp8_math import E8M0_ONE, block_scale, magnitude, to_fp8
 from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
@@ -328,6 +331,9 @@ def _rowwise_kernel(
     tl.store(scale + row0 + r, s, mask=row_ok)
 
 
+_ROWWISE = DirectLaunch(_rowwise_kernel)
+
+
 def _rowwise_shape(K: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_K, num_warps)`` of ``_rowwise_kernel`` for rows of K. Rows of a power of two up
     to 8192 (or longer than 4096) are read once in 2048-element programs over 4 warps (v13: no shape ran
@@ -474,25 +480,47 @@ def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rec
     left unwritten, data and scales (with offsets, the tail past the last group), for a product that
     reads no row past its last group.
     """
+    quantize_launcher(x, data, recipe, dim, offsets, rows)(x, data, scale, offsets, rows, bound)
+
+
+QuantizeLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None",
+                           "torch.Tensor | None"], None]
+
+
+def quantize_launcher(x: torch.Tensor, data: torch.Tensor, recipe: Recipe, dim: int,
+                      offsets: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> QuantizeLaunch:
+    """``quantize_along``'s choice of kernel and launch shape for these operands, as a function
+    ``launch(x, data, scale, offsets, rows, bound)`` that runs it (``quantize_along``'s arguments).
+
+    The choice depends only on what a call signature fixes (shapes, strides, dtypes, device, 16-byte
+    alignment of x, the recipe, dim, whether offsets and rows are given, rows' and offsets' sizes), so a
+    caller may keep the function and run it on later operands of the same signature, with fresh outputs
+    laid out as these."""
     launch_info(x.device)  # a clear error for a CPU tensor outside the interpreter
-    x3 = x if x.dim() == 3 else x.unsqueeze(0)
     if offsets is not None and dim == 0 and quantize_groups_hopper_ok(x, data, recipe, rows):
         M = x.shape[0] if rows is None else rows.shape[0]
-        quantize_groups_hopper(x, data, scale_bits(scale), recipe, offsets, bound is not None,
-                               grouped_scale_rows(M, offsets.shape[0], recipe.block), rows)
-    elif dim == x.dim() - 2:
-        _launch_tiles(x3, recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows, bound=bound)
-    elif recipe.block is not None or x.dim() == 3:
-        _launch_tiles(x3, recipe, data_c=data, bound=bound, **{"scale_r" if recipe.tile else "scale_c": scale})
-    elif x.shape[0] > 0:
-        M, K = x.shape
-        block_m, block_k, num_warps = _rowwise_shape(K)
-        _rowwise_kernel[(cdiv(M, block_m),)](
-            x, data, scale, x if bound is None else bound, M, K, x.stride(0), x.stride(1),
-            POW2=recipe.pow2, EMULATE_FP8=interpreting(), BOUNDED=bound is not None,
-            WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K), BLOCK_M=block_m, BLOCK_K=block_k,
-            num_warps=num_warps,
-        )
+        scale_rows = grouped_scale_rows(M, offsets.shape[0], recipe.block)
+        return lambda x, data, scale, offsets, rows, bound: quantize_groups_hopper(
+            x, data, scale_bits(scale), recipe, offsets, bound is not None, scale_rows, rows)
+    if dim == x.dim() - 2:
+        return lambda x, data, scale, offsets, rows, bound: _launch_tiles(
+            x if x.dim() == 3 else x.unsqueeze(0), recipe, data_r=data, scale_r=scale, offsets=offsets, rows=rows,
+            bound=bound)
+    if recipe.block is not None or x.dim() == 3:
+        scale_name = "scale_r" if recipe.tile else "scale_c"
+        return lambda x, data, scale, offsets, rows, bound: _launch_tiles(
+            x if x.dim() == 3 else x.unsqueeze(0), recipe, data_c=data, bound=bound, **{scale_name: scale})
+    M, K = x.shape
+    if M == 0:
+        return lambda x, data, scale, offsets, rows, bound: None
+    block_m, block_k, num_warps = _rowwise_shape(K)
+    grid = (cdiv(M, block_m),)
+    constants = dict(M=M, K=K, stride_xm=x.stride(0), stride_xk=x.stride(1), POW2=recipe.pow2,
+                     EMULATE_FP8=interpreting(), WIDE=_wide(K * x.stride(1), block_m * x.stride(0), block_m * K),
+                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps)
+    return lambda x, data, scale, offsets, rows, bound: _ROWWISE(
+        grid, x=x, data=data, scale=scale, bound_ptr=x if bound is None else bound, BOUNDED=bound is not None,
+        **constants)
 
 
 def quantize_both(x: torch.Tensor, data_k: torch.Tensor, scale_k: torch.Tensor, data_m: torch.Tensor,

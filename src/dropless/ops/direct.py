@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # what a call may hold to skip the dispatcher
 
 
 def is_plain_call(args: tuple[Any, ...]) -> bool:
@@ -27,7 +27,7 @@ def is_plain_call(args: tuple[Any, ...]) -> bool:
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._are_functorch_transforms_active()):
         return False
-    return all(type(a) in _PLAIN_TYPES for a in args if isinstance(a, torch.Tensor))
+    return all(type(a) in PLAIN_TYPES for a in args if isinstance(a, torch.Tensor))
 
 
 class DirectOp:

@@ -9,21 +9,26 @@ as its name and options, so ``torch.compile(fullgraph=True)`` traces through the
 dispatcher (``ops.direct``). Output shapes depend only on the input's shape, the recipe and E: nothing
 reads the group sizes on the host, and the Triton backend does not sync. Quantization is not
 differentiable (the FP8 GEMMs carry the gradients).
+
+An MoE layer quantizes operands of the same few signatures every step, so an eager ``quantize`` on the
+Triton backend keeps what its checks and its choice of kernel decided for a signature (a
+``QuantizePlan``: the recipe, the outputs' layout and the launch) and later calls of that signature
+pay for the outputs and the launch alone.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from dropless import reference
-from dropless.backend import use_triton
-from dropless.kernels.launch import cdiv
-from dropless.kernels.quantize import quantize_along, quantize_both, quantize_weight_3d
-from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets
-from dropless.ops.direct import DirectOp
+from dropless.backend import get_backend, use_triton
+from dropless.kernels.launch import cdiv, interpreting
+from dropless.kernels.quantize import QuantizeLaunch, quantize_along, quantize_both, quantize_launcher, quantize_weight_3d
+from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets, validation_enabled
+from dropless.ops.direct import PLAIN_TYPES, DirectOp, is_plain_call
 from dropless.quantized import (FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows,
                                grouped_scale_rows)
 
@@ -179,6 +184,72 @@ def _group_offsets(offsets: torch.Tensor, M: int, r: Recipe) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class QuantizePlan:
+    """What ``quantize`` decided for one call signature: the checked recipe and dim, the outputs' layout
+    (data of ``shape`` and ``strides``, scale of ``scale_shape``) and the kernels' launch."""
+
+    recipe: Recipe
+    dim: int
+    grouped: bool
+    bounded: bool
+    tokens: int | None
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+    launch: QuantizeLaunch
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor | None, rows: torch.Tensor | None) -> QuantizedTensor:
+        if offsets is not None and offsets.dtype != torch.int32:
+            offsets = offsets.to(torch.int32)
+        if rows is not None:
+            rows = rows.contiguous()
+        data = torch.empty_strided(self.shape, self.strides, dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty(self.scale_shape, dtype=self.recipe.scale_dtype, device=x.device)
+        groups = offsets if self.grouped else None
+        self.launch(x, data, scale, groups, rows, offsets[-1:] if self.bounded else None)
+        return QuantizedTensor(data, scale, self.recipe, self.dim, groups, self.tokens)
+
+
+# Plans kept at most (M is in a signature, so a caller whose sizes keep changing would add them without
+# end); past it the table starts again.
+_MAX_PLANS = 1024
+_PLANS: dict[tuple, QuantizePlan] = {}
+
+
+def _tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on of an operand: its layout, dtype, device and 16-byte alignment."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
+def _plan_key(x: object, recipe: object, dim: object, offsets: object, pow2: object, mx_rounding: object,
+              rows: object, tail: object) -> tuple | None:
+    """The call signature of an eager ``quantize`` on the Triton backend with plain tensors, or None for
+    any other call (which takes the checked path: a traced one, or one whose checks may fail)."""
+    operands = (x, offsets, rows)
+    if type(x) not in PLAIN_TYPES or any(t is not None and type(t) not in PLAIN_TYPES for t in operands[1:]):
+        return None
+    if validation_enabled() or not is_plain_call(operands) or not use_triton(x.device):
+        return None
+    key = (type(recipe), recipe, type(dim), dim, pow2, mx_rounding, tail, get_backend(), interpreting(),
+           *map(_tensor_signature, operands))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _make_plan(x: torch.Tensor, q: QuantizedTensor, offsets: torch.Tensor | None, rows: torch.Tensor | None,
+               tail: bool) -> QuantizePlan:
+    """The plan of a call that quantized ``x`` (``x[rows]``) into ``q`` with these offsets (already int32)."""
+    groups = offsets if q.dim == 0 else None
+    return QuantizePlan(q.recipe, q.dim, groups is not None, not tail, q.tokens, tuple(q.data.shape),
+                        q.data.stride(), tuple(q.scale.shape), quantize_launcher(x, q.data, q.recipe, q.dim, groups, rows))
+
+
 def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
              pow2: bool | None = None, mx_rounding: str | None = None, rows: torch.Tensor | None = None,
              tail: bool = True) -> QuantizedTensor:
@@ -209,6 +280,10 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         zeros between), scale contiguous, fp32 or float8_e8m0fnu, as ``dropless.quantized`` lays them
         out; offsets kept as int32, and M as ``tokens``. No host sync on the Triton backend.
     """
+    key = _plan_key(x, recipe, dim, offsets, pow2, mx_rounding, rows, tail)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan(x, offsets, rows)
     r = _resolve_recipe(recipe, pow2, mx_rounding)
     _check_input("x", x, (2, 3))
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
@@ -237,7 +312,12 @@ def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torc
         offsets = _group_offsets(offsets, M, r)
     data, scale = _QUANTIZE(x, r.name, dim, offsets, r.pow2, r.mx_rounding, rows, tail)
     groups = offsets if dim == 0 else None
-    return QuantizedTensor(data, scale, r, dim, groups, None if groups is None else M)
+    q = QuantizedTensor(data, scale, r, dim, groups, None if groups is None else M)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = _make_plan(x, q, offsets, rows, tail)
+    return q
 
 
 def quantize_pair(x: torch.Tensor, recipe: str | Recipe, offsets: torch.Tensor, *, pow2: bool | None = None,
