@@ -53,7 +53,7 @@ class WrappedDirect:
         CALLS.append((self.name, grid, _info(list(args.values())), b, e, (), {}))
 
 
-qk._rowwise_kernel = Wrapped("rowwise", qk._rowwise_kernel)
+qk._ROWWISE = WrappedDirect("rowwise", qk._ROWWISE)
 qk._tile_kernel = Wrapped("tile", qk._tile_kernel)
 qk._slot_table_kernel = Wrapped("slot_table", qk._slot_table_kernel)
 rmh._LAUNCH = WrappedDirect("ragged_m_hopper", rmh._LAUNCH)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize import scale_bits
@@ -184,6 +185,10 @@ def _unpermute_kernel(
              acc.to(out.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
 
+_PERMUTE = DirectLaunch(_permute_kernel)
+_UNPERMUTE = DirectLaunch(_unpermute_kernel)
+
+
 def _blocks(rows: int, D: int, qblock: int = 0) -> tuple[int, int]:
     """(rows per program, BLOCK_D): up to 256 contiguous features (a multiple of ``qblock``), about 2048
     elements a program."""
@@ -224,12 +229,14 @@ def permute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: torch
     other_arg = other if dot else src
     data_arg = data if data is not None else rows
     scale_arg = scale_bits(scale) if scale is not None else rows
-    _permute_kernel[(cdiv(T, block_t),)](
-        src, slot_to_sorted, offsets, rows, w_arg, other_arg, dweights if dot else rows, data_arg, scale_arg,
-        T, D, top_k, offsets.shape[0], scale.shape[1] if scale is not None else 0,
-        src.stride(0), src.stride(1), rows.stride(0), rows.stride(1),
-        other_arg.stride(0), other_arg.stride(1), w_arg.stride(0), w_arg.stride(1),
-        data_arg.stride(0), scale_arg.stride(0),
+    _PERMUTE(
+        (cdiv(T, block_t),), src=src, inv_ptr=slot_to_sorted, offsets_ptr=offsets, out=rows, w_ptr=w_arg,
+        other=other_arg, dw_ptr=dweights if dot else rows, data=data_arg, scale=scale_arg,
+        T=T, D=D, top_k=top_k, E=offsets.shape[0], SCALE_COLS=scale.shape[1] if scale is not None else 0,
+        stride_src_t=src.stride(0), stride_src_d=src.stride(1), stride_out_m=rows.stride(0),
+        stride_out_d=rows.stride(1), stride_other_m=other_arg.stride(0), stride_other_d=other_arg.stride(1),
+        stride_w_t=w_arg.stride(0), stride_w_j=w_arg.stride(1), stride_qm=data_arg.stride(0),
+        stride_sm=scale_arg.stride(0),
         WEIGHTED=weights is not None, DOT=dot, STORE_ROWS=out is not None, QUANTIZE=recipe is not None,
         QBLOCK=qblock, MX=recipe is not None and recipe.name == "mxfp8", POW2=recipe is not None and recipe.pow2,
         RCEIL=recipe is not None and recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),
@@ -254,10 +261,11 @@ def unpermute_rows(src: torch.Tensor, slot_to_sorted: torch.Tensor, offsets: tor
         return
     block_t, block_d = _blocks(T, D)
     w_arg = weights if weights is not None else src
-    _unpermute_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
-        src, slot_to_sorted, offsets, out, w_arg, offsets if bound is None else bound,
-        T, D, top_k, offsets.shape[0],
-        src.stride(0), src.stride(1), out.stride(0), out.stride(1), w_arg.stride(0), w_arg.stride(1),
+    _UNPERMUTE(
+        (cdiv(T, block_t), cdiv(D, block_d)), src=src, inv_ptr=slot_to_sorted, offsets_ptr=offsets, out=out,
+        w_ptr=w_arg, bound_ptr=offsets if bound is None else bound, T=T, D=D, top_k=top_k, E=offsets.shape[0],
+        stride_src_m=src.stride(0), stride_src_d=src.stride(1), stride_out_t=out.stride(0),
+        stride_out_d=out.stride(1), stride_w_t=w_arg.stride(0), stride_w_j=w_arg.stride(1),
         WEIGHTED=weights is not None, BOUNDED=bound is not None, BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=_NUM_WARPS,
     )

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
 
 MAX_E = 1024  # the widest row a program holds in registers
@@ -230,6 +231,12 @@ def _route_backward_kernel(logits, ids, grad_weights, grad_losses, counts, grad_
     tl.store(grad_logits + rows64[:, None] * E + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :])
 
 
+_ROUTE = DirectLaunch(_route_kernel)
+_ROUTE_SUMS = DirectLaunch(_route_sums_kernel)
+_SLOT_SCATTER = DirectLaunch(_slot_scatter_kernel)
+_ROUTE_BACKWARD = DirectLaunch(_route_backward_kernel)
+
+
 def _block_rows(E: int, T: int) -> tuple[int, int]:
     block_e = max(next_power_of_2(E), 2)
     return max(min(_BLOCK_ELEMENTS // block_e, next_power_of_2(T)), 1), block_e
@@ -262,9 +269,11 @@ def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: 
     part_counts = torch.empty(programs, block_e, dtype=torch.int32, device=device)
     part_probs = torch.empty(programs, block_e, dtype=torch.float32, device=device)
     part_z = torch.empty(programs, dtype=torch.float32, device=device)
-    _route_kernel[(programs,)](
-        logits, logits if bias is None else bias, ids, weights, ranks, part_counts, part_probs, part_z,
-        T, E, top_k, max(n_groups, 1), topk_groups, E // max(n_groups, 1), scale, logits.stride(0), logits.stride(1),
+    _ROUTE(
+        (programs,), logits=logits, bias=logits if bias is None else bias, ids=ids, weights=weights, ranks=ranks,
+        part_counts=part_counts, part_probs=part_probs, part_z=part_z, T=T, E=E, top_k=top_k,
+        n_groups=max(n_groups, 1), topk_groups=topk_groups, group_size=E // max(n_groups, 1), scale=scale,
+        stride_t=logits.stride(0), stride_e=logits.stride(1),
         SOFTMAX=softmax, RENORMALIZE=renormalize, HAS_BIAS=bias is not None, GROUPED=n_groups > 0, SORT=sort,
         BLOCK_T=block_t, BLOCK_E=block_e, G_POW2=max(next_power_of_2(n_groups), 2), num_warps=_NUM_WARPS,
     )
@@ -272,16 +281,17 @@ def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: 
     losses = torch.empty(2, dtype=torch.float32, device=device)
     offsets = torch.empty(E, dtype=torch.int32, device=device) if sort else counts
     aux_scale, z_scale = _loss_scales(T, E, top_k)
-    _route_sums_kernel[(1,)](part_counts, part_probs, part_z, counts, losses, offsets, programs, E, aux_scale,
-                             z_scale, SORT=sort, BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e,
+    _ROUTE_SUMS((1,), part_counts=part_counts, part_probs=part_probs, part_z=part_z, counts=counts, losses=losses,
+                offsets=offsets, programs=programs, E=E, aux_scale=aux_scale, z_scale=z_scale, SORT=sort, BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e,
                              num_warps=_NUM_WARPS)
     if not sort:
         return weights, ids, counts, losses
     sorted_to_token_slot = torch.empty(T * top_k, dtype=torch.int32, device=device)
     slot_to_sorted = torch.empty(T * top_k, dtype=torch.int32, device=device)
-    _slot_scatter_kernel[(cdiv(T * top_k, _SCATTER_BLOCK),)](
-        ids, ranks, part_counts, sorted_to_token_slot, slot_to_sorted, T * top_k, top_k, block_t,
-        BLOCK_E=block_e, BLOCK=_SCATTER_BLOCK, num_warps=_NUM_WARPS,
+    _SLOT_SCATTER(
+        (cdiv(T * top_k, _SCATTER_BLOCK),), ids=ids, ranks=ranks, starts=part_counts,
+        sorted_to_token_slot=sorted_to_token_slot, slot_to_sorted=slot_to_sorted, slots=T * top_k, top_k=top_k,
+        rows_per_program=block_t, BLOCK_E=block_e, BLOCK=_SCATTER_BLOCK, num_warps=_NUM_WARPS,
     )
     return weights, ids, counts, losses, sorted_to_token_slot, slot_to_sorted, offsets
 
@@ -298,9 +308,11 @@ def route_backward(logits: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
     block_t, block_e = _block_rows(E, T)
     aux_scale, z_scale = _loss_scales(T, E, top_k)
     gw = grad_weights if grad_weights is not None else logits
-    _route_backward_kernel[(cdiv(T, block_t),)](
-        logits, ids, gw, logits if grad_losses is None else grad_losses, counts, grad_logits,
-        T, E, top_k, scale, aux_scale, z_scale, logits.stride(0), logits.stride(1), gw.stride(0), gw.stride(1),
+    _ROUTE_BACKWARD(
+        (cdiv(T, block_t),), logits=logits, ids=ids, grad_weights=gw,
+        grad_losses=logits if grad_losses is None else grad_losses, counts=counts, grad_logits=grad_logits,
+        T=T, E=E, top_k=top_k, scale=scale, aux_scale=aux_scale, z_scale=z_scale, stride_t=logits.stride(0),
+        stride_e=logits.stride(1), stride_gt=gw.stride(0), stride_gj=gw.stride(1),
         SOFTMAX=softmax, RENORMALIZE=renormalize, HAS_GRAD_WEIGHTS=grad_weights is not None,
         HAS_GRAD_LOSSES=grad_losses is not None, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=_NUM_WARPS,
     )

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
 from dropless.kernels.quantize import scale_bits
@@ -224,6 +225,9 @@ def _tile_f(F: int, recipe: Recipe | None) -> tuple[int, int]:
     return _MAX_ROW_BLOCK_F, 0
 
 
+_GLU = DirectLaunch(_glu_kernel)
+
+
 def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activation: str,
             data: torch.Tensor | None = None, scale: torch.Tensor | None = None, recipe: Recipe | None = None,
             rows: torch.Tensor | None = None) -> None:
@@ -242,11 +246,11 @@ def _launch(h: torch.Tensor, da: torch.Tensor | None, out: torch.Tensor, activat
     da_arg = da if backward else h  # unread in the forward; any tensor fills the slot
     data_arg = data if quantize else out  # likewise unread without a quantized copy
     scale_arg = scale_bits(scale) if quantize else out
-    _glu_kernel[grid](
-        h, da_arg, out, data_arg, scale_arg, rows if rows is not None else out,
-        M, F, scale.shape[1] if quantize else 0,
-        h.stride(0), h.stride(1), da_arg.stride(0), da_arg.stride(1), out.stride(0), out.stride(1),
-        data_arg.stride(0), scale_arg.stride(0),
+    _GLU(
+        grid, h=h, da=da_arg, out=out, data=data_arg, scale=scale_arg, rows_ptr=rows if rows is not None else out,
+        M=M, F=F, SCALE_COLS=scale.shape[1] if quantize else 0,
+        stride_hm=h.stride(0), stride_hf=h.stride(1), stride_dam=da_arg.stride(0), stride_daf=da_arg.stride(1),
+        stride_om=out.stride(0), stride_of=out.stride(1), stride_qm=data_arg.stride(0), stride_sm=scale_arg.stride(0),
         ACTIVATION=activation, BACKWARD=backward, QUANTIZE=quantize, QBLOCK=qblock,
         MX=quantize and recipe.name == "mxfp8", POW2=quantize and recipe.pow2,
         RCEIL=quantize and recipe.mx_rounding == "rceil", EMULATE_FP8=interpreting(),

@@ -22,6 +22,8 @@ last group (a buffer sized for the most rows a rank can receive) are neither qua
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dropless import reference
@@ -256,10 +258,17 @@ def wgrad_by_columns(xt: QuantizedTensor, dy: torch.Tensor, offsets: torch.Tenso
 
 def _fp8_capable(device: torch.device) -> None:
     """FP8 tensor cores: sm_89 (Ada) or newer on a GPU; the CPU runs the reference or the interpreter."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if device.type == "cuda" and _capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise RuntimeError(f"recipe: FP8 grouped GEMMs need FP8 tensor cores (compute capability 8.9 or newer); "
-                           f"{device} ({name}) has {torch.cuda.get_device_capability(device)}")
+                           f"{device} ({name}) has {_capability(device)}")
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, kept: every FP8 product asks (reading the device's properties
+    costs tens of microseconds of host time a call)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def resolve_recipe(recipe: str | Recipe | None, *operands: object) -> Recipe:
