@@ -32,9 +32,10 @@ def get_backend() -> str:
     return name
 
 
-def use_triton(device: torch.device) -> bool:
-    """True when an op on ``device`` runs the Triton kernels."""
-    name = get_backend()
+def use_triton(device: torch.device, name: str | None = None) -> bool:
+    """True when an op on ``device`` runs the Triton kernels under the backend ``name`` (default: the one
+    in force, ``get_backend()``)."""
+    name = name or get_backend()
     if name == "auto":
         return device.type == "cuda"
     return name == "triton"

@@ -282,8 +282,8 @@ def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: 
     offsets = torch.empty(E, dtype=torch.int32, device=device) if sort else counts
     aux_scale, z_scale = _loss_scales(T, E, top_k)
     _ROUTE_SUMS((1,), part_counts=part_counts, part_probs=part_probs, part_z=part_z, counts=counts, losses=losses,
-                offsets=offsets, programs=programs, E=E, aux_scale=aux_scale, z_scale=z_scale, SORT=sort, BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e,
-                             num_warps=_NUM_WARPS)
+                offsets=offsets, programs=programs, E=E, aux_scale=aux_scale, z_scale=z_scale, SORT=sort,
+                BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e, num_warps=_NUM_WARPS)
     if not sort:
         return weights, ids, counts, losses
     sorted_to_token_slot = torch.empty(T * top_k, dtype=torch.int32, device=device)

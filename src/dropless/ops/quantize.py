@@ -26,7 +26,8 @@ import torch
 from dropless import reference
 from dropless.backend import get_backend, use_triton
 from dropless.kernels.launch import cdiv, interpreting
-from dropless.kernels.quantize import QuantizeLaunch, quantize_along, quantize_both, quantize_launcher, quantize_weight_3d
+from dropless.kernels.quantize import (QuantizeLaunch, quantize_along, quantize_both, quantize_launcher,
+                                      quantize_weight_3d)
 from dropless.ops.checks import TRITON_DTYPES, check_same_device, check_tensor, validate_offsets, validation_enabled
 from dropless.ops.direct import PLAIN_TYPES, DirectOp, is_plain_call
 from dropless.quantized import (FP8_DTYPE, MX_ROUNDINGS, RECIPES, QuantizedTensor, Recipe, get_recipe, grouped_rows,
@@ -231,9 +232,12 @@ def _plan_key(x: object, recipe: object, dim: object, offsets: object, pow2: obj
     operands = (x, offsets, rows)
     if type(x) not in PLAIN_TYPES or any(t is not None and type(t) not in PLAIN_TYPES for t in operands[1:]):
         return None
-    if validation_enabled() or not is_plain_call(operands) or not use_triton(x.device):
+    backend = get_backend()
+    if validation_enabled() or not is_plain_call(operands) or not use_triton(x.device, backend):
         return None
-    key = (type(recipe), recipe, type(dim), dim, pow2, mx_rounding, tail, get_backend(), interpreting(),
+    # Off the GPU the kernels run only under the interpreter (elsewhere the checked path raises).
+    interpreted = x.device.type != "cuda" and interpreting()
+    key = (type(recipe), recipe, type(dim), dim, pow2, mx_rounding, tail, backend, interpreted,
            *map(_tensor_signature, operands))
     try:
         hash(key)
@@ -246,8 +250,9 @@ def _make_plan(x: torch.Tensor, q: QuantizedTensor, offsets: torch.Tensor | None
                tail: bool) -> QuantizePlan:
     """The plan of a call that quantized ``x`` (``x[rows]``) into ``q`` with these offsets (already int32)."""
     groups = offsets if q.dim == 0 else None
+    launch = quantize_launcher(x, q.data, q.recipe, q.dim, groups, rows)
     return QuantizePlan(q.recipe, q.dim, groups is not None, not tail, q.tokens, tuple(q.data.shape),
-                        q.data.stride(), tuple(q.scale.shape), quantize_launcher(x, q.data, q.recipe, q.dim, groups, rows))
+                        q.data.stride(), tuple(q.scale.shape), launch)
 
 
 def quantize(x: torch.Tensor, recipe: str | Recipe, dim: int = -1, offsets: torch.Tensor | None = None, *,
