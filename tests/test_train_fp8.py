@@ -2,15 +2,20 @@
 
 Tolerance: the noise of this setup itself, measured in the same test. The figure compared is the mean
 logged loss over the second half of training (where the curves have left the initial plateau; single
-points move with each batch). Two more BF16 runs that differ only in their seed give the noise: the
-largest gap between their figure and the first BF16 run's. The FP8 run, from the first run's seed,
-must be within that gap of it. On the CPU the model computes in fp32 and the experts' GEMMs in
-FP8 through the reference quantizer; on a GPU under bf16 autocast through the kernels.
+points move with each batch). Four BF16 runs that differ only in their seed give the noise: the
+standard deviation of their figures. The FP8 run, from the first run's seed, must be within three of
+those standard deviations of their mean. (The largest gap of two other seeds to the first, the bound
+before, is one that a run equivalent to another seed exceeds one time in three; on a CPU without
+AVX-512 FP8 read 0.105 against such a gap of 0.081. On that CPU six BF16 seeds spread 0.93-1.09 with a
+standard deviation of 0.06, and FP8 from three seeds read 0.98-1.00.) On the CPU the model computes in
+fp32 and the experts' GEMMs in FP8 through the reference quantizer; on a GPU under bf16 autocast
+through the kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 import pytest
@@ -48,8 +53,10 @@ def test_fp8_rowwise_loss_follows_bf16(tmp_path, device):
     def late(curve: list[float]) -> float:
         return sum(curve[half:]) / len(curve[half:])
 
-    noise = max(abs(late(_losses(tmp_path, f"seed{seed}", device, None, seed=seed, steps=steps)) - late(bf16))
-                for seed in (1, 2))
-    gap = abs(late(fp8) - late(bf16))
+    seeds = [late(bf16)] + [late(_losses(tmp_path, f"seed{seed}", device, None, seed=seed, steps=steps))
+                            for seed in (1, 2, 3)]
+    noise = statistics.stdev(seeds)
+    gap = abs(late(fp8) - statistics.mean(seeds))
     assert fp8[-1] < 0.8 * fp8[0], fp8
-    assert gap <= noise, f"FP8's late mean loss is {gap:.3f} from BF16's; other BF16 seeds are up to {noise:.3f} away"
+    assert gap <= 3 * noise, (f"FP8's late mean loss is {gap:.3f} from the mean of four BF16 seeds, whose standard "
+                              f"deviation is {noise:.3f} ({[round(v, 3) for v in seeds]})")
