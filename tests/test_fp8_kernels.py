@@ -335,14 +335,19 @@ def _ragged_k_operands(M, K, N, sizes, scales_name, offset=0, gap=float("nan")):
 @pytest.mark.parametrize("scales", list(TOKEN_SCALES))
 @pytest.mark.parametrize("shape", list(SHAPES_K))
 def test_ragged_k_fp8(shape, scales, tma, descriptor_calls):
+    """NaN between the groups, which no kernel may read, except where block128 on sm_90 runs the Gluon
+    kernel: it reads each group's last window whole, whose rows after the group the layout holds zero
+    (``dropless.quantized``), so there they are zeros; it builds its descriptors itself."""
     M, K, N, sizes = SHAPES_K[shape]
-    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales)
+    gluon = scales == "block128" and tma is None and CUDA and launch.hopper_gluon_device(torch.device(DEVICE))
+    a, a_scale, b, b_scale, block, ref = _ragged_k_operands(M, K, N, sizes, scales,
+                                                            gap=0.0 if gluon else float("nan"))
     dtype = torch.bfloat16 if shape == "odd" else torch.float32
     out = poisoned((len(sizes), K, N), dtype, DEVICE)
     run_ragged_k_fp8(a, a_scale, b, b_scale, block, offsets_of(sizes, DEVICE), out, NO_ACCUMULATE, None, tma=tma)
     _check_experts(out, ref)
     # Every recipe reads through TMA where the device has it (blockwise scales too).
-    assert bool(descriptor_calls) == (tma is None), descriptor_calls
+    assert bool(descriptor_calls) == (tma is None and not gluon), descriptor_calls
 
 
 @pytest.mark.parametrize("scales", ["block128", "block64", "mxfp8"])

@@ -33,6 +33,20 @@ def magnitude(v):
 
 
 @triton.jit
+def block_amax(v, axis: tl.constexpr, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """``max |v|`` along ``axis`` with NaN elements as 0, for ``block_scale``. On the GPU the reduction's
+    max (IEEE maxNum, PTX ``max.f32``) passes over a NaN by itself, so fp32-scaled recipes skip
+    ``magnitude``'s select: a block of NaN alone comes out NaN, which ``block_scale`` maps to the scale of
+    1 it gives a block of zeros. E8M0 scales read amax's bits, and the interpreter's max propagates NaN:
+    there each NaN is made 0 first."""
+    if MX or EMULATE_FP8:
+        amax = tl.max(magnitude(v), axis=axis)
+    else:
+        amax = tl.max(tl.abs(v), axis=axis)
+    return amax
+
+
+@triton.jit
 def pow2_ceil(s):
     """The smallest power of two ``>= s`` for ``s >= 0``, exactly: adding a mantissa's worth to the bits
     carries a non-zero mantissa into the exponent. A subnormal s is scaled by 2**23 first (both exact)."""
@@ -97,17 +111,20 @@ def quotient(v, scale, outside=None):
     by many elements: its reciprocal ``r`` once (``div_rn``, correctly rounded), then per element the
     product ``q = v r`` and Markstein's correction ``q + (v - q scale) r`` with the remainder exact by
     FMA, which is the correctly rounded quotient whenever nothing leaves fp32's normal range (Markstein,
-    1990): three operations an element instead of a division's ten and a branch. A remainder of zero keeps
-    q (its signed zero), a NaN one comes from an infinite v, whose q is the quotient. Scales outside
-    ``[2**-90, 2**100]`` (a reciprocal past the normal range, or remainders that could be subnormal for
-    the quotients e4m3 can tell apart) send the whole call to the division. ``outside``: whether any
-    scale the caller will pass is outside that range (``scales_outside``), known beforehand; a kernel
-    that quantizes many tiles with scales known up front then skips the reduction over each tile."""
+    1990): three operations an element instead of a division's ten and a branch. The remainder is taken
+    negated, ``q scale - v``, and subtracted: then a zero v keeps its sign (``-0 + -0``; the remainder
+    added would give ``+0``) with no select, and a NaN v stays NaN. (v is finite where this is used: an
+    infinite element gives an infinite scale, which is outside the range below.) The sign flips are
+    products by -1, which the compiler folds into the FMAs' operands (``0 - v`` it cannot: +0 - +0 is
+    +0). Scales outside ``[2**-90, 2**100]`` (a reciprocal past the normal range, or remainders that could
+    be subnormal for the quotients e4m3 can tell apart) send the whole call to the division. ``outside``:
+    whether any scale the caller will pass is outside that range (``scales_outside``), known beforehand;
+    a kernel that quantizes many tiles with scales known up front then skips the reduction over each tile."""
     s = tl.broadcast_to(scale, v.shape)
-    r = tl.broadcast_to(tl.math.div_rn(1.0, scale), v.shape)
-    q = v * r
-    rem = tl.math.fma(-q, s, v)
-    y = tl.where((rem == 0.0) | (rem != rem), q, tl.math.fma(rem, r, q))
+    r = tl.math.div_rn(1.0, scale)
+    q = v * tl.broadcast_to(r, v.shape)
+    negated_rem = tl.math.fma(q, s, v * -1.0)
+    y = tl.math.fma(negated_rem, tl.broadcast_to(r * -1.0, v.shape), q)
     if outside is None:
         outside = scales_outside(scale)
     if outside > 0:

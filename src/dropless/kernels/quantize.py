@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.fp8_math import E8M0_ONE, block_scale, magnitude, to_fp8
+from dropless.kernels.fp8_math import E8M0_ONE, block_amax, block_scale, magnitude, to_fp8
 from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize_hopper import quantize_groups_hopper, quantize_groups_hopper_ok
@@ -200,7 +200,7 @@ def _tile_kernel(
                 tl.store(scale_r + group64 * C + col64 + c, scale, mask=in_scale & (local == 0))
             else:
                 v3 = tl.reshape(v_r, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
-                scale = block_scale(tl.max(magnitude(v3), axis=1), MX, POW2, RCEIL)
+                scale = block_scale(block_amax(v3, 1, MX, EMULATE_FP8), MX, POW2, RCEIL)
                 q = tl.reshape(to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 # The tile's blocks are blocks local * BLOCK_R / BLOCK onwards of its group (or batch).
                 b = tl.arange(0, BLOCK_R // BLOCK)
@@ -228,7 +228,7 @@ def _tile_kernel(
                 tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (tl.program_id(1) == 0))
             else:
                 v3 = tl.reshape(v, (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
-                scale = block_scale(tl.max(magnitude(v3), axis=2), MX, POW2, RCEIL)
+                scale = block_scale(block_amax(v3, 2, MX, EMULATE_FP8), MX, POW2, RCEIL)
                 q = tl.reshape(to_fp8(v3, scale[:, :, None], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 blocks_c = tl.cdiv(C, BLOCK)
                 b = tl.arange(0, BLOCK_C // BLOCK)
@@ -315,14 +315,14 @@ def _rowwise_kernel(
     if K <= BLOCK_K:
         mask = row_ok[:, None] & (c < K)[None, :]
         v = tl.load(x_rows + c[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        s = block_scale(tl.max(magnitude(v), axis=1), False, POW2, False)
+        s = block_scale(block_amax(v, 1, False, EMULATE_FP8), False, POW2, False)
         tl.store(data_rows + c[None, :], to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
             v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(magnitude(v), axis=1))
+            amax = tl.maximum(amax, block_amax(v, 1, False, EMULATE_FP8))
         s = block_scale(amax, False, POW2, False)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
@@ -339,20 +339,20 @@ def _rowwise_shape(K: int) -> tuple[int, int, int]:
     to 8192 (or longer than 4096) are read once in 2048-element programs over 4 warps (v13: no shape ran
     over 6% faster). Other rows padded to a power of two ran at 0.42 (K = 768) and 0.54 (K = 2880) of a
     copy on an H100; walked twice in steps of at most half a row they ran at 0.73 and 0.71 (v23): steps of
-    the largest power of two up to K / 2 (at most 1024), 8192-element programs over 8 warps for steps of
-    up to 512."""
+    the largest power of two up to K / 2 (at most 1024), in 2048-element programs over 4 warps (K = 768
+    on an H200: 0.83 of a copy against 0.71 for v23's 8192-element programs over 8 warps, v46)."""
     if K & (K - 1) == 0 or K > 4096:
         block_k = min(max(next_power_of_2(K), 16), 8192)
         return max(2048 // block_k, 1), block_k, 4
     block_k = min(max(1 << ((K // 2).bit_length() - 1), 16), 1024)
-    if block_k <= 512:
-        return 8192 // block_k, block_k, 8
     return 2048 // block_k, block_k, 4
 
 
-def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> tuple[int, int, int]:
-    """``(BLOCK_R, BLOCK_C, num_warps)``: tiles a multiple of the block along every quantized dim, chosen by
-    measurement on an H100 (benchmarks/NOTES.md, v13 and v23). fp32-scaled recipes along one dim run 8
+def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool, C: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_C, num_warps)`` for ``x [BATCH, R, C]``: tiles a multiple of the block along every
+    quantized dim, chosen by measurement (benchmarks/NOTES.md, v13, v23 and v46). Along C alone (blockwise
+    activations along K): 8x1024 tiles on 4 warps where C is a multiple of 1024, else 32x256 (on an H200,
+    0.80-0.96 of a copy against 0.62-0.83 for v23's 64x128 on 8 warps). Along R, fp32-scaled recipes run 8
     warps (32 elements a thread); mxfp8, the per-group tiles and a weight's two orientations run 4, which
     kept their block and group reductions inside fewer warps (8 warps lost up to 40% there, v13, while
     each per-group program still looked its group up itself). Both orientations of block128's 1x128
@@ -365,8 +365,9 @@ def _tile_shape(recipe: Recipe, along_r: bool, along_c: bool, grouped: bool) -> 
         # A weight's two orientations: mxfp8 ran 64x128 at 1.2-1.6x 64x64 (E = 128); rowwise 32x128 at
         # 1.05x 64x128 (v23).
         return (32, 128, 4) if recipe.block is None else (64, 128, 4)
-    warps = 4 if grouped or recipe.name == "mxfp8" else 8
-    return (128, 64, warps) if along_r else (64, 128, warps)
+    if along_c:
+        return (8, 1024, 4) if C % 1024 == 0 else (32, 256, 4)
+    return (128, 64, 4 if grouped or recipe.name == "mxfp8" else 8)
 
 
 _SLOT_BLOCK = 64  # slots a program of _slot_table_kernel looks up
@@ -422,7 +423,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
         R = rows.shape[0]
     along_r, along_c = data_r is not None, data_c is not None
     grouped = offsets is not None
-    block_r, block_c, num_warps = _tile_shape(recipe, along_r, along_c, grouped)
+    block_r, block_c, num_warps = _tile_shape(recipe, along_r, along_c, grouped, C)
     E = offsets.shape[0] if grouped else 0
     # Every batch (or group) gets a slot even when R is 0: rowwise scales of an empty extent are written as 1.
     slots = cdiv(R, block_r) + E if grouped else max(cdiv(R, block_r), 1)
