@@ -33,16 +33,16 @@ def magnitude(v):
 
 
 @triton.jit
-def block_amax(v, axis: tl.constexpr, MX: tl.constexpr, EMULATE_FP8: tl.constexpr):
-    """``max |v|`` along ``axis`` with NaN elements as 0, for ``block_scale``. On the GPU the reduction's
-    max (IEEE maxNum, PTX ``max.f32``) passes over a NaN by itself, so fp32-scaled recipes skip
-    ``magnitude``'s select: a block of NaN alone comes out NaN, which ``block_scale`` maps to the scale of
-    1 it gives a block of zeros. E8M0 scales read amax's bits, and the interpreter's max propagates NaN:
-    there each NaN is made 0 first."""
-    if MX or EMULATE_FP8:
+def block_amax(v, axis: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """``max |v|`` along ``axis`` with NaN elements as 0 (``magnitude``'s rule), the rule of the Gluon
+    kernels' ``quantize_hopper.column_amax``: on the GPU the reduction's max (IEEE maxNum, PTX ``max.f32``)
+    passes over a NaN by itself, and a block of NaN alone, which comes out NaN, is made 0 by a last max
+    with 0, one per block instead of a select per element. The interpreter's max propagates NaN: there each
+    NaN is made 0 first."""
+    if EMULATE_FP8:
         amax = tl.max(magnitude(v), axis=axis)
     else:
-        amax = tl.max(tl.abs(v), axis=axis)
+        amax = tl.maximum(tl.max(tl.abs(v), axis=axis), 0.0)
     return amax
 
 

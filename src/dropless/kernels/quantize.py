@@ -200,7 +200,7 @@ def _tile_kernel(
                 tl.store(scale_r + group64 * C + col64 + c, scale, mask=in_scale & (local == 0))
             else:
                 v3 = tl.reshape(v_r, (BLOCK_R // BLOCK, BLOCK, BLOCK_C))
-                scale = block_scale(block_amax(v3, 1, MX, EMULATE_FP8), MX, POW2, RCEIL)
+                scale = block_scale(block_amax(v3, 1, EMULATE_FP8), MX, POW2, RCEIL)
                 q = tl.reshape(to_fp8(v3, scale[:, None, :], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 # The tile's blocks are blocks local * BLOCK_R / BLOCK onwards of its group (or batch).
                 b = tl.arange(0, BLOCK_R // BLOCK)
@@ -228,7 +228,7 @@ def _tile_kernel(
                 tl.store(scale_c + batch64 * R + row64 + r, scale, mask=row_ok & (tl.program_id(1) == 0))
             else:
                 v3 = tl.reshape(v, (BLOCK_R, BLOCK_C // BLOCK, BLOCK))
-                scale = block_scale(block_amax(v3, 2, MX, EMULATE_FP8), MX, POW2, RCEIL)
+                scale = block_scale(block_amax(v3, 2, EMULATE_FP8), MX, POW2, RCEIL)
                 q = tl.reshape(to_fp8(v3, scale[:, :, None], MX, EMULATE_FP8), (BLOCK_R, BLOCK_C))
                 blocks_c = tl.cdiv(C, BLOCK)
                 b = tl.arange(0, BLOCK_C // BLOCK)
@@ -315,14 +315,14 @@ def _rowwise_kernel(
     if K <= BLOCK_K:
         mask = row_ok[:, None] & (c < K)[None, :]
         v = tl.load(x_rows + c[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        s = block_scale(block_amax(v, 1, False, EMULATE_FP8), False, POW2, False)
+        s = block_scale(block_amax(v, 1, EMULATE_FP8), False, POW2, False)
         tl.store(data_rows + c[None, :], to_fp8(v, s[:, None], False, EMULATE_FP8), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
             v = tl.load(x_rows + (k0 + c)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, block_amax(v, 1, False, EMULATE_FP8))
+            amax = tl.maximum(amax, block_amax(v, 1, EMULATE_FP8))
         s = block_scale(amax, False, POW2, False)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (c < K - k0)[None, :]
