@@ -1,7 +1,7 @@
 """Quantization per group along the tokens: the Gluon kernel (``kernels/quantize_hopper.py``) against the
 Triton tile kernel it replaces for 16-bit x, on the benchmark's activations, one GPU.
 
-    PYTHONPATH=src python benchmarks/probe_quant_groups.py [--recipes block128 mxfp8 rowwise]
+    PYTHONPATH=src python benchmarks/probe_quant_groups.py [--recipes block128 mxfp8 rowwise] [--variants]
 
 For each tensor, routing and recipe: both kernels' outputs compared byte for byte with the reference
 (``dropless.reference.quantize``, run on the GPU), then the GB/s of the
@@ -10,6 +10,10 @@ of a device copy's GB/s (bytes read + written) measured in the same run, and the
 speed-up. The host's own time is not in it: each call is timed on the GPU (``do_bench``, median). Last, the
 permuted copies of a layer's tokens, quantized from the tokens by index (``rows=``), counting the
 bytes of the copies (a row read per copy).
+
+``--variants``: instead, the Gluon kernel's blockwise tiles read by TMA in each ``(loader warps, programs a
+multiprocessor, stages)`` of ``VARIANTS``, each variant's bytes checked against the reference and its
+share of the copy printed (replayed from a CUDA graph: the GPU's time alone), per tensor (balanced routing) and recipe.
 """
 
 from __future__ import annotations
@@ -26,12 +30,19 @@ import dropless
 from dropless import reference
 from dropless.bench.fp8 import hbm_gbps
 from dropless.bench.routing import group_sizes
+from dropless.bench.timing import graphed_median_ms
 from dropless.kernels import quantize as qk
+from dropless.kernels import quantize_hopper as qh
 from dropless.quantized import get_recipe
 
 DEV = torch.device("cuda")
 TENSORS = [("qwen3 x", 128, 65536, 2048), ("qwen3-down x", 128, 65536, 768), ("dsv3 dy", 32, 32768, 7168),
            ("dsv3-down x", 32, 32768, 2048), ("mixtral dy", 4, 16384, 14336)]
+
+
+# (TMA_LOADER_WARPS, PROGRAMS_PER_SM, STAGES) of kernels/quantize_hopper.py; shared memory allows a
+# program (stages of 16 KB, 24 KB of output buffers) at most 9 stages alone, 5 at two, 3 at three.
+VARIANTS = [(4, 2, 4), (1, 2, 4), (1, 2, 5), (1, 3, 3), (4, 2, 5)]
 
 
 def ms(fn) -> float:
@@ -65,12 +76,47 @@ def compare(label: str, x: torch.Tensor, recipe: str, offsets: torch.Tensor, cop
           f"{least / t_gluon / 1e6 / copy:7.2f} {t_triton / t_gluon:7.2f}{'' if same else '  BYTES DIFFER'}", flush=True)
 
 
+def variants(recipes: list[str], copy: float) -> None:
+    """The ``--variants`` table: each blockwise recipe's share of the copy in every variant."""
+    print(f"{'tensor':14s} {'recipe':9s} " + " ".join(f"{str(v):>11s}" for v in VARIANTS) + "  (share of the copy)")
+    saved = qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES
+    for name, E, M, K in TENSORS:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        offsets = torch.tensor(group_sizes(E, M, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
+        for recipe in (r for r in recipes if r != "rowwise"):
+            ref_data, ref_scale = reference.quantize(x, get_recipe(recipe), 0, offsets)
+            cells = []
+            for variant in VARIANTS:
+                qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES = variant
+                call = lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets)  # noqa: E731
+                try:
+                    q = call()
+                    same = torch.equal(q.data.view(torch.uint8), ref_data.view(torch.uint8)) and torch.equal(
+                        q.scale.view(torch.uint8), ref_scale.view(torch.uint8))
+                    del q
+                    seconds = graphed_median_ms(call, DEV, 10, 30) / 1e3
+                    cells.append(f"{3 * M * K / seconds / 1e9 / copy:10.3f}" + (" " if same else "!"))
+                except Exception as error:  # a variant the device cannot run (shared memory, registers)
+                    cells.append(f"{type(error).__name__[:10]:>11s}")
+                finally:
+                    qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES = saved
+            del ref_data, ref_scale
+            print(f"{name:14s} {recipe:9s} " + " ".join(cells), flush=True)
+        del x
+    print("! marks bytes that differ from the reference")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipes", nargs="+", default=["block128", "mxfp8", "rowwise"])
-    recipes = parser.parse_args().recipes
+    parser.add_argument("--variants", action="store_true")
+    args = parser.parse_args()
+    recipes = args.recipes
     copy = hbm_gbps(DEV, 10, 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (bytes read + written)")
+    if args.variants:
+        variants(recipes, copy)
+        return
     print(f"{'tensor':14s} {'routing':8s} {'recipe':9s} {'triton us':>9s} {'gluon us':>9s} "
           f"{'triton':>7s} {'gluon':>7s} {'speedup':>7s}  (share of the copy)")
     for name, E, M, K in TENSORS:

@@ -73,7 +73,9 @@ STRIP_STAGES = 8
 # strips read by TMA keep one program, whose strips' second read is served by L2 only while the strips in
 # flight fit in it (benchmarks/NOTES.md, v30).
 MAX_REGISTERS = 128
-LOADER_WARPS: gl.constexpr = gl.constexpr(4)  # a warpgroup: 16 bytes a thread a copy of gathered rows
+LOADER_WARPS = 4  # gathered rows and rowwise strips: a warpgroup, 16 bytes a thread a copy of gathered rows
+# Blockwise tiles read by TMA: one warp issues the loads.
+TMA_LOADER_WARPS = 4
 QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn items the scheduler may queue ahead
 CHUNK_SLOTS: gl.constexpr = gl.constexpr(1024)  # rowwise: an item is strip * CHUNK_SLOTS + chunk
 # The least rows of a chunk of a rowwise strip drawn by work (``chunk_rows``; benchmarks/NOTES.md, v37).
@@ -119,9 +121,11 @@ def _tile_range(tiles):
 
 @gluon.jit
 def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
-            GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr):
-    """Loads (``_load``) of the program's tiles that have rows in their group, into the stage ring."""
-    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
+            GATHER: gl.constexpr, BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr,
+            LOADERS: gl.constexpr):
+    """Loads (``_load``) of the program's tiles that have rows in their group, into the stage ring, by the
+    partition's ``LOADERS`` warps."""
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADERS)
     col_tiles = gl.cdiv(C, COLUMNS)
     slots = _slots_to_run(firsts, E, SLOTS, BOUNDED)
     first, last = _tile_range(slots * col_tiles)
@@ -136,7 +140,7 @@ def _loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr
         row0 = start + local * ROWS
         if (row0 < end) & (group < E):
             _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end,
-                  (tile - slot * col_tiles) * COLUMNS, GATHER, STAGES)
+                  (tile - slot * col_tiles) * COLUMNS, GATHER, STAGES, LOADERS)
             step += 1
 
 
@@ -247,15 +251,15 @@ def _chunk_rows(start, end, chunk, CHUNK):
 @gluon.jit
 def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready, strip_empty,
                   offsets_ptr, M, C, E, CHUNK, GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr,
-                  E_POW2: gl.constexpr, STAGES: gl.constexpr):
+                  E_POW2: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr):
     """Rowwise: loads of the tiles of each of the program's items (``_item_of``), twice, for its amax and
     then for its values (the tail's strips load nothing)."""
-    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADER_WARPS)
+    starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, LOADERS)
     col_tiles = gl.cdiv(C, COLUMNS)
     work = _strip_work(C, E, BOUNDED)
     step = 0
     n = 0
-    item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
+    item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADERS)
     while item >= 0:
         strip = item // CHUNK_SLOTS
         group = strip // col_tiles
@@ -269,15 +273,15 @@ def _strip_loader(x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip
             for _ in range(2):
                 for row0 in range(first, last, ROWS):
                     _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0, GATHER,
-                          STAGES)
+                          STAGES, LOADERS)
                     step += 1
         n += 1
-        item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADER_WARPS)
+        item = _item_of(n, strip_ids, strip_ready, strip_empty, work, BY_WORK, LOADERS)
 
 
 @gluon.jit
 def _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0, end, col0,
-          GATHER: gl.constexpr, STAGES: gl.constexpr):
+          GATHER: gl.constexpr, STAGES: gl.constexpr, LOADERS: gl.constexpr):
     """The operand's tile at ``[row0, col0]`` into the stage of ``step``, once that stage is free: one TMA
     load, or with GATHER each of its rows up to ``end`` read by index (row r of the operand is x's row
     ``rows[r]``), 16 bytes a thread a copy, each thread's copies counted by the stage's ready barrier.
@@ -286,7 +290,7 @@ def _load(x_desc, x_ptr, rows_ptr, stride_x, C, x_bufs, ready, empty, step, row0
     stage = step % STAGES
     mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
     if GATHER:
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADER_WARPS, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOADERS, 1], [1, 0])
         r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         c = col0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
         ok = r < end - row0
@@ -502,12 +506,12 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
                             M, C, E, SLOTS, SCALE_ROWS, CHUNK,
                             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
                             GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr,
-                            STAGES: gl.constexpr, num_warps: gl.constexpr):
+                            STAGES: gl.constexpr, LOADERS: gl.constexpr, num_warps: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, COLUMNS], x_desc.layout)
     out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
     zero_buf = gl.allocate_shared_memory(gl.float8e4nv, [COLUMNS, ROWS], data_desc.layout)
     if GATHER:
-        ready, empty = stage_barriers(STAGES, 1, 32 * LOADER_WARPS)
+        ready, empty = stage_barriers(STAGES, 1, 32 * LOADERS)
     else:
         ready, empty = stage_barriers(STAGES)
     if BLOCK == 0:
@@ -524,25 +528,25 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
                                   chunk_done, data_desc, scale_ptr, work_ptr, offsets_ptr, M, C, E, SLOTS, CHUNK, POW2,
                                   BOUNDED, True, E_POW2, STAGES, num_warps)),
                 (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
-                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, True, E_POW2, STAGES)),
+                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, True, E_POW2, STAGES, LOADERS)),
                 (_strip_scheduler, (strip_ids, strip_ready, strip_empty, chunk_done, work_ptr, offsets_ptr, M, C, E,
                                     CHUNK, BOUNDED, E_POW2)),
-            ], [LOADER_WARPS, 1], [64, 96])
+            ], [LOADERS, 1], [64, 96])
         else:
             gl.warp_specialize([
                 (_strip_compute, (x_bufs, out_bufs, zero_buf, ready, empty, strip_ids, strip_ready, strip_empty,
                                   chunk_done, data_desc, scale_ptr, work_ptr, offsets_ptr, M, C, E, SLOTS, CHUNK, POW2,
                                   BOUNDED, False, E_POW2, STAGES, num_warps)),
                 (_strip_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, strip_ids, strip_ready,
-                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, False, E_POW2, STAGES)),
-            ], [LOADER_WARPS], [64])
+                                 strip_empty, offsets_ptr, M, C, E, CHUNK, GATHER, BOUNDED, False, E_POW2, STAGES, LOADERS)),
+            ], [LOADERS], [64])
     else:
         gl.warp_specialize([
             (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E,
                         SLOTS, SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
             (_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
-                       GATHER, BOUNDED, E_POW2, STAGES)),
-        ], [LOADER_WARPS], [64])
+                       GATHER, BOUNDED, E_POW2, STAGES, LOADERS)),
+        ], [LOADERS], [64])
 
 
 _LAUNCH = DirectLaunch(_quantize_groups_kernel)
@@ -602,10 +606,12 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
         work_buffer = torch.zeros(shared, dtype=torch.int32, device=x.device)
     else:
         work_buffer = offsets
+    loaders = TMA_LOADER_WARPS if rows is None and recipe.block is not None else LOADER_WARPS
     _LAUNCH((max(1, min(work, programs)),), x_desc=descriptor(x, [GROUP_ALIGN, COLUMNS.value]), x_ptr=x,
             rows_ptr=x if rows is None else rows, stride_x=x.stride(0),
             data_desc=descriptor(data.t(), [COLUMNS.value, GROUP_ALIGN]), scale_ptr=scale, work_ptr=work_buffer,
             offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, CHUNK=chunk,
             BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
             GATHER=rows is not None, BOUNDED=bounded, BY_WORK=by_work, E_POW2=next_power_of_2(E + 1),
-            STAGES=STRIP_STAGES if by_work else STAGES, num_warps=4, maxnreg=MAX_REGISTERS if limited else None)
+            STAGES=STRIP_STAGES if by_work else STAGES, LOADERS=loaders, num_warps=4,
+            maxnreg=MAX_REGISTERS if limited else None)
