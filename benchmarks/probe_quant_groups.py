@@ -12,7 +12,7 @@ permuted copies of a layer's tokens, quantized from the tokens by index (``rows=
 bytes of the copies (a row read per copy).
 
 ``--variants``: instead, the Gluon kernel's blockwise tiles read by TMA in each ``(loader warps, programs a
-multiprocessor, stages)`` of ``VARIANTS``, each variant's bytes checked against the reference and its
+multiprocessor, stages, rows a thread)`` of ``VARIANTS``, each variant's bytes checked against the reference and its
 share of the copy printed (replayed from a CUDA graph: the GPU's time alone), per tensor (balanced routing) and recipe.
 """
 
@@ -40,9 +40,12 @@ TENSORS = [("qwen3 x", 128, 65536, 2048), ("qwen3-down x", 128, 65536, 768), ("d
            ("dsv3-down x", 32, 32768, 2048), ("mixtral dy", 4, 16384, 14336)]
 
 
-# (TMA_LOADER_WARPS, PROGRAMS_PER_SM, STAGES) of kernels/quantize_hopper.py; shared memory allows a
-# program (stages of 16 KB, 24 KB of output buffers) at most 9 stages alone, 5 at two, 3 at three.
-VARIANTS = [(4, 2, 4), (1, 2, 4), (1, 2, 5), (1, 3, 3), (4, 2, 5)]
+# (TMA_LOADER_WARPS, PROGRAMS_PER_SM, STAGES, TILE_THREAD_ROWS) of kernels/quantize_hopper.py; shared
+# memory allows a program (stages of 16 KB, 24 KB of output buffers) at most 9 stages alone, 5 at two, 3
+# at three; registers (128 a thread) allow three programs of 5 warps, two of 8.
+VARIANTS = [(4, 2, 4, 2), (1, 2, 4, 2), (1, 2, 5, 2), (1, 3, 3, 2), (1, 2, 4, 4), (1, 3, 3, 4)]
+VARIANT_TENSORS = TENSORS[:3]
+NAMES = ("TMA_LOADER_WARPS", "PROGRAMS_PER_SM", "STAGES", "TILE_THREAD_ROWS")
 
 
 def ms(fn) -> float:
@@ -78,16 +81,17 @@ def compare(label: str, x: torch.Tensor, recipe: str, offsets: torch.Tensor, cop
 
 def variants(recipes: list[str], copy: float) -> None:
     """The ``--variants`` table: each blockwise recipe's share of the copy in every variant."""
-    print(f"{'tensor':14s} {'recipe':9s} " + " ".join(f"{str(v):>11s}" for v in VARIANTS) + "  (share of the copy)")
-    saved = qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES
-    for name, E, M, K in TENSORS:
+    print(f"{'tensor':14s} {'recipe':9s} " + " ".join(f"{''.join(map(str, v)):>11s}" for v in VARIANTS) + "  (share of the copy)")
+    saved = [getattr(qh, n) for n in NAMES]
+    for name, E, M, K in VARIANT_TENSORS:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         offsets = torch.tensor(group_sizes(E, M, "balanced", 0, 16), device=DEV).cumsum(0).to(torch.int32)
         for recipe in (r for r in recipes if r != "rowwise"):
             ref_data, ref_scale = reference.quantize(x, get_recipe(recipe), 0, offsets)
             cells = []
             for variant in VARIANTS:
-                qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES = variant
+                for n, value in zip(NAMES, variant):
+                    setattr(qh, n, value)
                 call = lambda: dropless.quantize(x, recipe, dim=0, offsets=offsets)  # noqa: E731
                 try:
                     q = call()
@@ -99,7 +103,8 @@ def variants(recipes: list[str], copy: float) -> None:
                 except Exception as error:  # a variant the device cannot run (shared memory, registers)
                     cells.append(f"{type(error).__name__[:10]:>11s}")
                 finally:
-                    qh.TMA_LOADER_WARPS, qh.PROGRAMS_PER_SM, qh.STAGES = saved
+                    for n, value in zip(NAMES, saved):
+                        setattr(qh, n, value)
             del ref_data, ref_scale
             print(f"{name:14s} {recipe:9s} " + " ".join(cells), flush=True)
         del x

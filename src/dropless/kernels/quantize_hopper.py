@@ -76,6 +76,8 @@ MAX_REGISTERS = 128
 LOADER_WARPS = 4  # gathered rows and rowwise strips: a warpgroup, 16 bytes a thread a copy of gathered rows
 # Blockwise tiles read by TMA: one warp issues the loads.
 TMA_LOADER_WARPS = 4
+# Blockwise tiles: neighbouring rows a thread holds, bytes a shared-memory store of the transposed tile.
+TILE_THREAD_ROWS = 2
 QUEUE: gl.constexpr = gl.constexpr(2)  # rowwise: drawn items the scheduler may queue ahead
 CHUNK_SLOTS: gl.constexpr = gl.constexpr(1024)  # rowwise: an item is strip * CHUNK_SLOTS + chunk
 # The least rows of a chunk of a rowwise strip drawn by work (``chunk_rows``; benchmarks/NOTES.md, v37).
@@ -361,10 +363,12 @@ def _store_block_scales(scale_ptr, scale, group, local, start, end, C, col0, E, 
 @gluon.jit
 def _compute(x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E, SLOTS, SCALE_ROWS,
              BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
-             BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+             BOUNDED: gl.constexpr, E_POW2: gl.constexpr, STAGES: gl.constexpr, THREAD_ROWS: gl.constexpr,
+             num_warps: gl.constexpr):
     """The default partition: each tile's block amaxes and scales, its FP8 values written transposed, its
-    store."""
-    layout: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [1, num_warps], [1, 0])
+    store. A thread holds runs of ``THREAD_ROWS`` neighbouring rows of 4 columns: each run is one
+    shared-memory store of the transposed tile."""
+    layout: gl.constexpr = gl.BlockedLayout([THREAD_ROWS, 4], [8, 4], [1, num_warps], [1, 0])
     starts, ends, firsts = _group_table(offsets_ptr, E, M, E_POW2, num_warps)
     col_tiles = gl.cdiv(C, COLUMNS)
     slots = _slots_to_run(firsts, E, SLOTS, BOUNDED)
@@ -506,7 +510,8 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
                             M, C, E, SLOTS, SCALE_ROWS, CHUNK,
                             BLOCK: gl.constexpr, MX: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
                             GATHER: gl.constexpr, BOUNDED: gl.constexpr, BY_WORK: gl.constexpr, E_POW2: gl.constexpr,
-                            STAGES: gl.constexpr, LOADERS: gl.constexpr, num_warps: gl.constexpr):
+                            STAGES: gl.constexpr, LOADERS: gl.constexpr, THREAD_ROWS: gl.constexpr,
+                            num_warps: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, COLUMNS], x_desc.layout)
     out_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS], data_desc.layout)
     zero_buf = gl.allocate_shared_memory(gl.float8e4nv, [COLUMNS, ROWS], data_desc.layout)
@@ -543,7 +548,7 @@ def _quantize_groups_kernel(x_desc, x_ptr, rows_ptr, stride_x, data_desc, scale_
     else:
         gl.warp_specialize([
             (_compute, (x_bufs, out_bufs, zero_buf, ready, empty, data_desc, scale_ptr, offsets_ptr, M, C, E,
-                        SLOTS, SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, num_warps)),
+                        SLOTS, SCALE_ROWS, BLOCK, MX, POW2, RCEIL, BOUNDED, E_POW2, STAGES, THREAD_ROWS, num_warps)),
             (_loader, (x_desc, x_ptr, rows_ptr, stride_x, x_bufs, ready, empty, offsets_ptr, M, C, E, SLOTS,
                        GATHER, BOUNDED, E_POW2, STAGES, LOADERS)),
         ], [LOADERS], [64])
@@ -613,5 +618,5 @@ def quantize_groups_hopper(x: torch.Tensor, data: torch.Tensor, scale: torch.Ten
             offsets_ptr=offsets, M=M, C=C, E=E, SLOTS=slots, SCALE_ROWS=scale_rows, CHUNK=chunk,
             BLOCK=recipe.block or 0, MX=recipe.name == "mxfp8", POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil",
             GATHER=rows is not None, BOUNDED=bounded, BY_WORK=by_work, E_POW2=next_power_of_2(E + 1),
-            STAGES=STRIP_STAGES if by_work else STAGES, LOADERS=loaders, num_warps=4,
+            STAGES=STRIP_STAGES if by_work else STAGES, LOADERS=loaders, THREAD_ROWS=TILE_THREAD_ROWS, num_warps=4,
             maxnreg=MAX_REGISTERS if limited else None)
