@@ -620,15 +620,21 @@ def test_bound_writes_the_groups_rows_and_leaves_the_tail(name, opts, dim, sizes
     (group_sizes(200, 8993, "skewed"), 9000, 200),  # more tiles than programs, a group table of 256, a tail
 ])
 @pytest.mark.parametrize("tail, gather", [(True, False), (False, False), (True, True), (False, True)])
-def test_hopper_group_kernel_bit_exact(name, opts, dtype, sizes, M, K, tail, gather):
+@pytest.mark.parametrize("launch", [None, (1, 3, 3, 4)], ids=["default", "1x3x3x4"])
+def test_hopper_group_kernel_bit_exact(monkeypatch, name, opts, dtype, sizes, M, K, tail, gather, launch):
     """The Gluon kernel for 16-bit x per group along the tokens (``quantize_hopper``), bit for bit the
     reference, NaN and infinities included, every element of the poisoned outputs written; with
-    ``tail=False``, not one byte past the groups' rows; with ``rows``, the rows of x read by index."""
+    ``tail=False``, not one byte past the groups' rows; with ``rows``, the rows of x read by index. Also
+    with the blockwise tiles' other launch, ``launch`` = ``(TMA_LOADER_WARPS, PROGRAMS_PER_SM, STAGES,
+    TILE_THREAD_ROWS)``: one loader warp, three programs a multiprocessor, four rows a thread."""
+    from dropless.kernels import quantize_hopper
     from dropless.kernels.launch import hopper_gluon_device
     from dropless.kernels.quantize_hopper import quantize_groups_hopper_ok
 
     if not (CUDA and hopper_gluon_device(KERNEL_DEVICE)):
         pytest.skip("needs an sm_90 GPU")
+    for attribute, value in zip(("TMA_LOADER_WARPS", "PROGRAMS_PER_SM", "STAGES", "TILE_THREAD_ROWS"), launch or ()):
+        monkeypatch.setattr(quantize_hopper, attribute, value)
     recipe = get_recipe(name, **opts)
     source_rows = 61 if gather else M
     x = planted((source_rows, K), dtype, KERNEL_DEVICE)
