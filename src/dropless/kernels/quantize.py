@@ -53,7 +53,7 @@ from dropless.kernels.fp8_math import E8M0_ONE, block_amax, block_scale, magnitu
 from dropless.kernels.groups import group_bounds
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize_hopper import quantize_groups_hopper, quantize_groups_hopper_ok
-from dropless.kernels.quantize_weight_hopper import quantize_weight_hopper, quantize_weight_hopper_ok, weight_storage
+from dropless.kernels.quantize_weight_hopper import quantize_weight_hopper, quantize_weight_hopper_ok
 from dropless.quantized import GROUP_ALIGN, Recipe, grouped_rows, grouped_scale_rows
 
 _GROUP_ALIGN = tl.constexpr(GROUP_ALIGN)  # rows: every group of per-group data starts at a multiple of it
@@ -408,23 +408,20 @@ def scale_bits(scale: torch.Tensor) -> torch.Tensor:
 def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | None = None,
                   scale_r: torch.Tensor | None = None, data_c: torch.Tensor | None = None,
                   scale_c: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None, bound: torch.Tensor | None = None,
-                  amax_only: bool = False) -> None:
+                  rows: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> None:
     """Run ``_tile_kernel`` over ``x [BATCH, R, C]``: along R when ``data_r`` is given (storage
     ``[BATCH, C, R]``), along C when ``data_c`` is (storage ``[BATCH, R, C]``). A 128x128 recipe runs
     ``_tile128_kernel`` instead, writing its one scale tensor through ``scale_r``. Rowwise runs twice
-    (amax, then quantize) over zeroed int32 amax buffers it allocates; with ``amax_only``, only the first
-    launch, along both dims. ``rows`` (int ``[R']``): the operand is ``x[:, rows]``, read by index (R'
-    rows; along R per group only). ``bound`` (int ``[1]``): rows from ``bound[0]`` on are not written; per
-    group, the tail past the last group writes nothing. Returns the amax buffers ``(amax_r [G, C],
-    amax_c [BATCH, R])`` where rowwise allocated them (the int32 bits of fp32 amaxes)."""
+    (amax, then quantize) over zeroed int32 amax buffers it allocates. ``rows`` (int ``[R']``): the
+    operand is ``x[:, rows]``, read by index (R' rows; along R per group only). ``bound`` (int ``[1]``):
+    rows from ``bound[0]`` on are not written; per group, the tail past the last group writes nothing."""
     if recipe.tile:
         _launch_tile128(x, scale_r, data_r, data_c, recipe)
-        return None
+        return
     BATCH, R, C = x.shape
     if rows is not None:
         R = rows.shape[0]
-    along_r, along_c = data_r is not None or amax_only, data_c is not None or amax_only
+    along_r, along_c = data_r is not None, data_c is not None
     grouped = offsets is not None
     block_r, block_c, num_warps = _tile_shape(recipe, along_r, along_c, grouped, C)
     E = offsets.shape[0] if grouped else 0
@@ -432,7 +429,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
     slots = cdiv(R, block_r) + E if grouped else max(cdiv(R, block_r), 1)
     grid = (BATCH * slots, max(cdiv(C, block_c), 1))
     if BATCH == 0:
-        return None
+        return
     rowwise = recipe.block is None
     data_rows_r = grouped_rows(R, E) if grouped else R
     scale_rows_r = 0 if rowwise else grouped_scale_rows(R, E, recipe.block) if grouped else cdiv(R, recipe.block)
@@ -444,7 +441,7 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
         _slot_table_kernel[(cdiv(slots, _SLOT_BLOCK),)](
             offsets, slot_table, R, E, slots, data_rows_r,
             BLOCK_R=block_r, E_POW2=next_power_of_2(E + 1), SLOT_BLOCK=_SLOT_BLOCK, num_warps=4)
-    for amax_pass in ((True,) if amax_only else (True, False)) if rowwise else (False,):
+    for amax_pass in (True, False) if rowwise else (False,):
         _tile_kernel[grid](
             x, x if data_r is None else data_r, x if scale_r is None else scale_bits(scale_r),
             x if data_c is None else data_c, x if scale_c is None else scale_bits(scale_c), amax_r, amax_c,
@@ -458,7 +455,6 @@ def _launch_tiles(x: torch.Tensor, recipe: Recipe, *, data_r: torch.Tensor | Non
             GATHER=rows is not None,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
         )
-    return amax_r, amax_c
 
 
 def quantize_along(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, recipe: Recipe, dim: int,
@@ -557,20 +553,13 @@ def quantize_weight_3d(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tens
     float8_e4m3fn ``[E, K, N]`` contiguous. scale_k / scale_n: their scales as ``dropless.quantized``
     lays them out (dims 1 and 2); block128x128 writes its one scale per tile into ``scale_k`` and leaves
     ``scale_n`` alone (pass the same tensor). Rowwise reads w twice (the amax along both dims first, into
-    int32 buffers ``[E, N]`` and ``[E, K]`` it allocates, then the values); the other recipes read it
-    once; on an sm_90 GPU the reads of the values go through the Gluon kernel where
-    ``quantize_weight_hopper_ok`` says so. Programs cover ``E * tiles``:
+    int32 buffers ``[E, N]`` and ``[E, K]`` it allocates); the other recipes read it once, on an sm_90 GPU
+    through the Gluon kernel where ``quantize_weight_hopper_ok`` says so. Programs cover ``E * tiles``:
     the time per byte does not depend on E. Nothing syncs.
     """
     launch_info(w.device)
     if quantize_weight_hopper_ok(w, data_k, data_n, recipe):
-        amaxes = None
-        if recipe.name == "rowwise":
-            # The amaxes of the rows and columns of w's storage [E, R, C], read along its contiguous dim.
-            amax_cols, amax_rows = _launch_tiles(weight_storage(w), recipe, amax_only=True)
-            amaxes = amax_rows, amax_cols
-        quantize_weight_hopper(w, data_k, data_n, scale_bits(scale_k), scale_bits(scale_k if recipe.tile else scale_n),
-                               recipe, amaxes)
+        quantize_weight_hopper(w, data_k, data_n, scale_bits(scale_k), scale_bits(scale_k if recipe.tile else scale_n), recipe)
     else:
         _launch_tiles(w, recipe, data_r=data_k, scale_r=scale_k, data_c=data_n,
                       scale_c=None if recipe.tile else scale_n)

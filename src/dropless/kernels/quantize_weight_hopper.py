@@ -1,7 +1,6 @@
 """FP8 quantization of 3D expert weights in both orientations on Hopper, in Gluon: what
 ``quantize_weight_3d`` runs for mxfp8 and block128x128 on a 16-bit ``w [E, K, N]`` that TMA can read
-(``quantize_weight_hopper_ok``), from one read of w; for rowwise, the read of the values, once an earlier
-pass has taken every row's and column's amax (a scale spans a whole row or column of an expert).
+(``quantize_weight_hopper_ok``), from one read of w.
 
 The kernel sees w's storage as ``[E, R, C]`` with C its contiguous dim: R = N, C = K for nn.Linear
 storage ``[E, N, K]`` (w a transposed view of it), R = K, C = N for a contiguous ``[E, K, N]``. Quantized
@@ -25,8 +24,6 @@ How a tile moves:
 - the FP8 tile along C is written to shared memory as read, the one along R transposed, and both leave
   by asynchronous TMA stores (3D descriptors of the outputs, clipped at R and C) while the next tile is
   computed; the scales are stored from registers.
-Rowwise tiles are mxfp8's, each element quantized with its row's scale along C and its column's along R,
-the scales computed from the amaxes in every tile and written by the first tile of each row or column.
 block128x128 has one scale per 128x128 tile, the amax of both halves: a program holds the two stages,
 reads each twice from shared memory (its amax, then its values), and writes the same FP8 values in
 both orientations.
@@ -155,43 +152,6 @@ def _mx_compute(w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
 
 
 @gluon.jit
-def _vector_scales(amax_ptr, e, first, end, POW2: gl.constexpr, layout: gl.constexpr, SIZE: gl.constexpr):
-    """Rowwise scales of ``SIZE`` rows or columns from ``first`` of expert e, from their amaxes (the int32
-    bits of fp32 ``amax [E, end]``), and 1 if any lies outside the range ``quotient`` divides by alone."""
-    i = first + gl.arange(0, SIZE, layout=layout)
-    amax = gl.load(amax_ptr + e.to(gl.int64) * end + i, mask=i < end, other=0).to(gl.float32, bitcast=True)
-    scale = fp8_math.gluon_block_scale(amax, False, POW2, False)
-    outside = gl.max(((scale < fp8_math.QUOTIENT_LOW) | (scale > fp8_math.QUOTIENT_HIGH)).to(gl.int32), axis=0)
-    return i, scale, outside
-
-
-@gluon.jit
-def _rowwise_compute(w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
-                     scale_c_ptr, stride_sce, stride_scr, scale_r_ptr, stride_sre, stride_src,
-                     amax_rows_ptr, amax_cols_ptr, E, R, C, POW2: gl.constexpr, STAGES: gl.constexpr):
-    """rowwise, the default partition: each tile's FP8 values along C (a row's scale from its amax over the
-    whole of C) and along R (a column's from its amax over the whole of R), the amaxes ``[E, R]`` and
-    ``[E, C]`` taken by an earlier pass; the first tile of a row or column writes its scale."""
-    tiles_r, tiles_c, tiles = _tile_count(E, R, C, COLUMNS)
-    step = 0
-    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        e, row0, col0 = _origin(tile, tiles_r, tiles_c, COLUMNS)
-        r, scale_row, outside_row = _vector_scales(amax_rows_ptr, e, row0, R, POW2, gl.SliceLayout(1, _LAYOUT), ROWS)
-        c, scale_col, outside_col = _vector_scales(amax_cols_ptr, e, col0, C, POW2, gl.SliceLayout(0, _LAYOUT),
-                                                   COLUMNS)
-        v = take_stage(w_bufs, ready, empty, step, _LAYOUT, STAGES)
-        q_c = fp8_math.gluon_to_fp8(v, scale_row[:, None], False, False, outside_row)
-        q_r = fp8_math.gluon_to_fp8(v, scale_col[None, :], False, False, outside_col)
-        if col0 == 0:
-            gl.store(scale_c_ptr + e.to(gl.int64) * stride_sce + r.to(gl.int64) * stride_scr, scale_row, mask=r < R)
-        if row0 == 0:
-            gl.store(scale_r_ptr + e.to(gl.int64) * stride_sre + c.to(gl.int64) * stride_src, scale_col, mask=c < C)
-        _send(q_c, q_r, out_c, out_r, step, c_desc, r_desc, e, row0, col0)
-        step += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _half(w_bufs, ready, step, STAGES: gl.constexpr):
     """The loaded half of ``step``, as fp32 in ``_LAYOUT``; its stage stays the program's."""
     return stage_values(w_bufs, ready, step, _LAYOUT, STAGES).to(gl.float32)
@@ -234,8 +194,8 @@ def _tile128_compute(w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
 @gluon.jit
 def _quantize_weight_kernel(w_desc, c_desc, r_desc,
                             scale_c_ptr, stride_sce, stride_scr, stride_scb,
-                            scale_r_ptr, stride_sre, stride_srb, stride_src, amax_rows_ptr, amax_cols_ptr, E, R, C,
-                            TILE128: gl.constexpr, ROWWISE: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
+                            scale_r_ptr, stride_sre, stride_srb, stride_src, E, R, C,
+                            TILE128: gl.constexpr, POW2: gl.constexpr, RCEIL: gl.constexpr,
                             STAGES: gl.constexpr, num_warps: gl.constexpr):
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, ROWS, COLUMNS],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], w_desc.dtype))
@@ -244,14 +204,7 @@ def _quantize_weight_kernel(w_desc, c_desc, r_desc,
     out_r = gl.allocate_shared_memory(gl.float8e4nv, [2, COLUMNS, ROWS],
                                       gl.NVMMASharedLayout.get_default_for([COLUMNS, ROWS], gl.float8e4nv))
     ready, empty = stage_barriers(STAGES)
-    if ROWWISE:
-        gl.warp_specialize([
-            (_rowwise_compute, (w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
-                                scale_c_ptr, stride_sce, stride_scr, scale_r_ptr, stride_sre, stride_src,
-                                amax_rows_ptr, amax_cols_ptr, E, R, C, POW2, STAGES)),
-            (_loader, (w_desc, w_bufs, ready, empty, E, R, C, 1, STAGES)),
-        ], [LOADER_WARPS], [40])
-    elif TILE128:
+    if TILE128:
         gl.warp_specialize([
             (_tile128_compute, (w_bufs, ready, empty, out_c, out_r, c_desc, r_desc,
                                 scale_c_ptr, stride_sce, stride_scr, stride_scb, E, R, C, POW2, STAGES)),
@@ -279,12 +232,6 @@ def _storage_nk(w: torch.Tensor) -> bool | None:
     return None
 
 
-def weight_storage(w: torch.Tensor) -> torch.Tensor:
-    """``w [E, K, N]`` as the kernel sees it, its storage ``[E, R, C]`` with C contiguous (``[E, N, K]`` for
-    a transposed view of nn.Linear storage, w itself when stored ``[E, K, N]``)."""
-    return w.transpose(1, 2) if _storage_nk(w) else w
-
-
 def _rows_columns(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor,
                   nk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, data_c, data_r)`` as the kernel sees them: w's storage ``x [E, R, C]`` (C contiguous), the data
@@ -297,31 +244,27 @@ def _rows_columns(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor,
 def quantize_weight_hopper_ok(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor,
                               recipe: Recipe) -> bool:
     """Whether the Gluon kernel quantizes ``w [E, K, N]`` into ``data_k`` and ``data_n``
-    (``quantize_weight_3d``'s outputs) with ``recipe``: rowwise, mxfp8 or block128x128, a non-empty 16-bit w
+    (``quantize_weight_3d``'s outputs) with ``recipe``: mxfp8 or block128x128, a non-empty 16-bit w
     stored as ``[E, N, K]`` or ``[E, K, N]`` on an sm_90 GPU, w and both outputs readable by TMA as
     stored (for the FP8 outputs: K and N multiples of 16), not under the interpreter."""
     nk = _storage_nk(w)
-    if interpreting() or recipe.name not in ("rowwise", "mxfp8", "block128x128") or nk is None:
+    if interpreting() or not (recipe.tile or recipe.name == "mxfp8") or nk is None:
         return False
     x, data_c, data_r = _rows_columns(w, data_k, data_n, nk)
     return hopper_kernels_ok(x) and LaunchInfo.tma_ok(data_c) and LaunchInfo.tma_ok(data_r)
 
 
 def quantize_weight_hopper(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.Tensor, scale_k: torch.Tensor,
-                           scale_n: torch.Tensor, recipe: Recipe,
-                           amaxes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                           scale_n: torch.Tensor, recipe: Recipe) -> None:
     """Write ``w [E, K, N]`` quantized along K and along N into ``data_k`` (a view of ``[E, N, K]``
     storage) and ``data_n`` (contiguous), and their scales ``scale_k [E, cdiv(K, 32), N]`` and ``scale_n
     [E, K, cdiv(N, 32)]`` (the raw bytes of mxfp8's E8M0 scales; block128x128: the one fp32 ``[E, cdiv(K,
-    128), cdiv(N, 128)]`` passed as both; rowwise: ``[E, 1, N]`` and ``[E, K, 1]``), for operands
-    ``quantize_weight_hopper_ok`` accepts. amaxes (rowwise): ``(rows [E, R], columns [E, C])``, the int32
-    bits of the fp32 amaxes of ``weight_storage(w) [E, R, C]``'s rows and columns."""
+    128), cdiv(N, 128)]`` passed as both), for operands ``quantize_weight_hopper_ok`` accepts."""
     nk = _storage_nk(w)
     x, data_c, data_r = _rows_columns(w, data_k, data_n, nk)
     # Along C: [E, R, cdiv(C, 32)]; along R: [E, cdiv(R, 32), C]; block128x128's [E, cdiv(R, 128), cdiv(C, 128)].
     scale_c, scale_r = (scale_k.transpose(1, 2), scale_n.transpose(1, 2)) if nk else (scale_n, scale_k)
     E, R, C = x.shape
-    amax_rows, amax_cols = amaxes if amaxes is not None else (x, x)
     tiles = E * cdiv(R, ROWS.value) * cdiv(C, (2 if recipe.tile else 1) * COLUMNS.value)
     grid = (min(tiles, PROGRAMS_PER_SM * launch_info(w.device).num_programs),)
     _LAUNCH(grid, w_desc=descriptor(x, [1, ROWS.value, COLUMNS.value]),
@@ -329,7 +272,6 @@ def quantize_weight_hopper(w: torch.Tensor, data_k: torch.Tensor, data_n: torch.
             r_desc=descriptor(data_r, [1, COLUMNS.value, ROWS.value]),
             scale_c_ptr=scale_c, stride_sce=scale_c.stride(0), stride_scr=scale_c.stride(1),
             stride_scb=scale_c.stride(2), scale_r_ptr=scale_r, stride_sre=scale_r.stride(0),
-            stride_srb=scale_r.stride(1), stride_src=scale_r.stride(2), amax_rows_ptr=amax_rows,
-            amax_cols_ptr=amax_cols, E=E, R=R, C=C, TILE128=recipe.tile, ROWWISE=recipe.name == "rowwise",
+            stride_srb=scale_r.stride(1), stride_src=scale_r.stride(2), E=E, R=R, C=C, TILE128=recipe.tile,
             POW2=recipe.pow2, RCEIL=recipe.mx_rounding == "rceil", STAGES=STAGES, num_warps=COMPUTE_WARPS,
             maxnreg=MAX_REGISTERS)
