@@ -23,7 +23,7 @@ os.environ.setdefault("DROPLESS_AUTOTUNE", "0")
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 import dropless
 from dropless.bench.fp8 import hbm_gbps
@@ -31,6 +31,7 @@ from dropless.bench.routing import group_sizes
 from dropless.bench.timing import graphed_median_ms
 from dropless.kernels.hopper import descriptor, stage_barriers
 from dropless.kernels.launch import launch_info
+from dropless.kernels.quantize_hopper import _send as send
 from dropless.kernels.quantize_hopper import take_stage
 
 DEV = torch.device("cuda")
@@ -69,13 +70,7 @@ def _cast(bufs, ready, empty, out_bufs, out_desc, tiles_k, tiles, ROWS: gl.const
     for step in range(last - first):
         tile = first + step
         q = take_stage(bufs, ready, empty, step, layout, STAGES).to(gl.float8e4nv)
-        out = out_bufs.index(step % 2)
-        tma.store_wait(pendings=1)
-        gl.thread_barrier()
-        out.store(q.permute((1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(out_desc, [(tile % tiles_k) * COLS, (tile // tiles_k) * ROWS], out)
+        send(q, out_bufs, step, out_desc, (tile % tiles_k) * COLS, (tile // tiles_k) * ROWS)
     tma.store_wait(pendings=0)
 
 

@@ -74,7 +74,8 @@ STRIP_STAGES = 8
 # flight fit in it (benchmarks/NOTES.md, v30).
 MAX_REGISTERS = 128
 LOADER_WARPS = 4  # gathered rows and rowwise strips: a warpgroup, 16 bytes a thread a copy of gathered rows
-# Blockwise tiles read by TMA: one warp issues the loads.
+# Blockwise tiles read by TMA: the loader partition's warps (one issues the loads; one or four measured
+# the same, benchmarks/NOTES.md, v47).
 TMA_LOADER_WARPS = 4
 # Blockwise tiles: neighbouring rows a thread holds, bytes a shared-memory store of the transposed tile.
 TILE_THREAD_ROWS = 2
