@@ -7,7 +7,7 @@ For each kernel (the per-group quantizer's blockwise tiles, block128 and mxfp8; 
 and block128x128), the compute partition's persistent loop is the longest backward branch's span; it
 prints, per element of a thread's share of a tile (64 elements: ``[128, 64]`` tiles over 128 compute
 threads), that span's instructions and those from the tile's stage wait to its TMA stores, both less the
-quotients' division fallbacks, and the tile part's commonest opcodes. Both still hold paths a full tile
+divisions' slow paths, and the tile part's commonest opcodes. Both still hold paths a full tile
 skips (the loop: the slot lookup and the tiles with no rows; the tile part: the mask of a group's last
 tile), so they bound what a full tile runs from above.
 """
@@ -48,8 +48,8 @@ def compile_sass(fn, signature: dict[str, str], constants: dict[str, object], nu
 
 def loop_histogram(sass: str) -> tuple[collections.Counter, collections.Counter]:
     """The opcodes of the longest backward branch's span (the loop) and of the tile's part of it, from its
-    first stage wait to its last TMA store, both less the divisions' fallbacks (each a ``BSSY`` .. ``BSYNC`` region holding a ``CALL``, run only where a scale leaves the
-    range ``fp8_math.quotient`` divides by without ``div_rn``)."""
+    first stage wait to its last TMA store, both less the divisions' slow paths (each a ``BSSY`` .. ``BSYNC`` region holding a ``CALL``: the
+    scales' reciprocals, run for operands the fast path cannot take)."""
     code = []
     for line in sass.splitlines():
         m = LINE.match(line)

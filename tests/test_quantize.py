@@ -233,10 +233,13 @@ def test_reference_hand_computed_scales():
     # floor(log2(1)) - 8 = -8; ceil(log2(1/448)) = ceil(-8.807) = -8; 448 -> 0 both ways; 449 -> rceil 1.
     assert floor == [-8, 0, 0, -127, 0, -127]
     assert rceil == [-8, 0, 1, -127, 1, -127]
-    assert reference.fp32_scale(torch.tensor([448.0, 896.0, 0.0]), False).tolist() == [1.0, 2.0, 1.0]
-    # 500 / 448 = 1.116 -> 2; 448 / 448 = 1 stays; a tiny amax gives a subnormal power of two, exactly.
-    pow2 = reference.fp32_scale(torch.tensor([500.0, 448.0, 448.0 * 2.0**-140]), True).tolist()
-    assert pow2 == [2.0, 1.0, 2.0**-140]
+    # A tiny amax gives the least scale, 2**-126 (its reciprocal is finite), and only amax 0 gives 1.
+    tiny = 448.0 * 2.0**-140
+    assert reference.fp32_scale(torch.tensor([448.0, 896.0, 0.0, tiny, 1e-45]), False).tolist() == \
+        [1.0, 2.0, 1.0, 2.0**-126, 2.0**-126]
+    # 500 / 448 = 1.116 -> 2; 448 / 448 = 1 stays; 448 * 2**-125 / 448 = 2**-125 is above the floor.
+    pow2 = reference.fp32_scale(torch.tensor([500.0, 448.0, tiny, 448.0 * 2.0**-125]), True).tolist()
+    assert pow2 == [2.0, 1.0, 2.0**-126, 2.0**-125]
 
 
 def test_reference_mxfp8_bytes_by_hand():
@@ -286,14 +289,47 @@ def test_reference_exponents_against_frexp_oracle(rounding):
 
 def test_reference_pow2_scales_against_frexp_oracle():
     amax = torch.rand(2000) * torch.exp2(torch.randint(-149, 120, (2000,)).float())
+    amax = torch.cat([amax, torch.tensor([0.0])])
     got = reference.fp32_scale(amax, True).tolist()
     for a, s in zip(amax.tolist(), got):
-        q = _fp32_quotient(a)
-        if q == 0.0:
+        if a == 0.0:
             assert s == 1.0
         else:
-            mantissa, exponent = math.frexp(q)
+            mantissa, exponent = math.frexp(max(_fp32_quotient(a), 2.0**-126))
             assert s == 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+
+
+def _e4m3_of(v: torch.Tensor, s: torch.Tensor, product: bool) -> torch.Tensor:
+    """The e4m3 values of fp32 ``v`` scaled by fp32 ``s``, from float64: the product with the reciprocal
+    rounded to fp32 (``product``), or the quotient. Float64 makes each step exact before its one rounding to
+    fp32 (24 + 24 bits of a product; a quotient rounded twice is rounded once, 53 >= 2 * 24 + 2)."""
+    if product:
+        y = v.double() * (1.0 / s.double()).float().double()
+    else:
+        y = v.double() / s.double()
+    return y.float().clamp(-448.0, 448.0).to(FP8_DTYPE).float()
+
+
+@pytest.mark.parametrize("name", ["rowwise", "block128"])
+def test_reference_fp32_data_is_the_product_with_the_reciprocal(name):
+    """The fp32 recipes store ``e4m3(x * fl(1 / scale))``: against float64, on rows built to hold values
+    next to midpoints of e4m3, where that product and the rounded quotient can land on either side (the
+    test asserts some do), and a subnormal row, whose scale is the floor 2**-126."""
+    rows = 64
+    amax = (1 + torch.rand(rows, 1)) * torch.exp2(torch.randint(-30, 30, (rows, 1)).float())
+    amax[0] = 1e-39
+    s = reference.fp32_scale(amax, False)
+    grid = torch.tensor([2.0**e * (1 + m / 8) for e in range(-2, 9) for m in range(8)])[:-1]  # to 448
+    mids = ((grid[:-1] + grid[1:]) / 2)[:, None]
+    near = (mids * s.T).float()  # [mids, rows], each next to a midpoint once scaled
+    steps = torch.tensor([-2, -1, 1, 2], dtype=torch.int32)
+    near = (near.view(torch.int32)[None] + steps[:, None, None]).view(torch.float32).reshape(-1, rows).T
+    x = torch.cat([amax, near[:, torch.randperm(near.shape[1])[:127]]], 1)
+    x[0, 1:] = torch.rand(127) * 1e-39
+    data, scale = reference.quantize(x, get_recipe(name), 1)
+    assert torch.equal(scale, s) and scale[0].item() == 2.0**-126
+    assert torch.equal(data.float(), _e4m3_of(x, scale, product=True))
+    assert bool((data.float() != _e4m3_of(x, scale, product=False)).any()), "no element tells the rules apart"
 
 
 @pytest.mark.parametrize("name, opts", RECIPES, ids=RECIPE_IDS)

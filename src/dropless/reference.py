@@ -11,6 +11,8 @@ import torch
 from dropless.quantized import (E8M0_BIAS, E8M0_DTYPE, FP8_DTYPE, FP8_MAX, GROUP_ALIGN, QuantizedTensor, Recipe,
                                 grouped_rows, grouped_scale_rows)
 
+FP32_TINY = 2.0**-126  # fp32's smallest normal number: the least fp32 scale
+
 
 def group_bounds(offsets: torch.Tensor, M: int) -> list[tuple[int, int]]:
     """``(start, end)`` row range of each group, clamped to ``[0, M]`` as the kernels clamp them."""
@@ -220,13 +222,13 @@ def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
 
 def fp32_scale(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     """The fp32 scale of blocks whose largest magnitude is ``amax``: ``amax / 448`` (rounded to nearest
-    in fp32), with ``pow2`` rounded up to a power of two, exactly; 1 where that is 0 (amax 0, or so
-    small that ``amax / 448`` underflows)."""
-    s = _over_fp8_max(amax)
+    in fp32) and at least ``2**-126`` (fp32's smallest normal number, so that its reciprocal is finite),
+    with ``pow2`` rounded up to a power of two, exactly; 1 where amax is 0."""
+    s = _over_fp8_max(amax).clamp_min(FP32_TINY)
     if pow2:
         mantissa, exponent = _frexp(s)
         s = torch.ldexp(torch.ones_like(s), torch.where(mantissa == 0.5, exponent - 1, exponent))
-    return torch.where(s > 0, s, 1.0)
+    return torch.where(amax > 0, s, 1.0)
 
 
 def e8m0_exponent(amax: torch.Tensor, rounding: str) -> torch.Tensor:
@@ -244,6 +246,13 @@ def e8m0_exponent(amax: torch.Tensor, rounding: str) -> torch.Tensor:
         mantissa, exponent = _frexp(value)
         exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
     return torch.where(value > 0, exponent, -127).clamp(-127, 127).to(torch.int32)
+
+
+def _times_reciprocal(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x * (1 / scale)`` in fp32, the reciprocal rounded to nearest (a tensor divided by a tensor, on
+    every device), then the product rounded: how the recipes scale the data (the exact quotient for
+    power-of-two scales)."""
+    return x.float() * (torch.ones_like(scale) / scale)
 
 
 def _cast_fp8(y: torch.Tensor) -> torch.Tensor:
@@ -269,7 +278,7 @@ def _quantize_last(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch
     blocks = -(-S // block) if recipe.block else 1
     padded = torch.nn.functional.pad(x.float(), (0, blocks * block - S)).view(*x.shape[:-1], blocks, block)
     stored, scale = _scales(_magnitude(padded).amax(-1), recipe)
-    data = _cast_fp8(padded / scale[..., None]).view(*x.shape[:-1], blocks * block)[..., :S]
+    data = _cast_fp8(_times_reciprocal(padded, scale[..., None])).view(*x.shape[:-1], blocks * block)[..., :S]
     return data.contiguous(), stored
 
 
@@ -323,7 +332,7 @@ def quantize(x: torch.Tensor, recipe: Recipe, dim: int, offsets: torch.Tensor | 
         stored, scale = _scales(_tile_amax(x), recipe)
         R, C = x.shape[-2:]
         expanded = _expand(_expand(scale, -2, 128, R), -1, 128, C)
-        return _unit_stride(_cast_fp8(x.float() / expanded), dim), stored
+        return _unit_stride(_cast_fp8(_times_reciprocal(x, expanded)), dim), stored
     data, scale = _quantize_last(x.movedim(dim, -1), recipe)
     return data.movedim(-1, dim), scale.movedim(-1, dim).contiguous()
 

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from dropless.kernels.direct_launch import DirectLaunch
-from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
+from dropless.kernels.fp8_math import block_scale, magnitude, to_fp8
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
 from dropless.kernels.quantize import scale_bits
 from dropless.quantized import Recipe
@@ -94,7 +94,6 @@ def _permute_kernel(
     copies = tl.arange(0, K_PAD)
     dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     amax = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    outside = 0
     if QUANTIZE and QBLOCK == 0:
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -102,14 +101,12 @@ def _permute_kernel(
                           mask=token_ok[:, None] & (cols < D)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(magnitude(row.to(tl.float32)), axis=1))
         # Every copy's scale is known now: stored (also where D is 0: rows of no columns get 1, as
-        # dropless.quantize writes it), and whether the quotients need the division decided once, not by
-        # a reduction over every tile quantized below.
+        # dropless.quantize writes it).
         for j in range(top_k):
             pos, pos_ok, valid, w = _copy_slot(inv_ptr, w_ptr, tokens64, token_ok, j, M, num_valid, top_k,
                                                stride_w_t, stride_w_j, WEIGHTED)
             s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
             tl.store(scale + pos * stride_sm, s, mask=pos_ok)
-            outside = tl.maximum(outside, scales_outside(s))
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -136,7 +133,7 @@ def _permute_kernel(
                 v = value.to(tl.float32)
                 if QBLOCK == 0:
                     s = _copy_scale(amax, w, valid, out.dtype.element_ty, WEIGHTED, POW2)
-                    q = to_fp8(v, s[:, None], False, EMULATE_FP8, outside)
+                    q = to_fp8(v, s[:, None], False, EMULATE_FP8)
                 else:
                     # Masked elements are 0, so they never raise a block's amax.
                     v3 = tl.reshape(v, (BLOCK_T, BLOCK_D // QBLOCK, QBLOCK))

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from dropless.kernels.direct_launch import DirectLaunch
 from dropless.kernels.launch import cdiv, interpreting, launch_info, next_power_of_2
-from dropless.kernels.fp8_math import block_scale, magnitude, scales_outside, to_fp8
+from dropless.kernels.fp8_math import block_scale, magnitude, to_fp8
 from dropless.kernels.quantize import scale_bits
 from dropless.quantized import Recipe
 
@@ -170,17 +170,16 @@ def _glu_kernel(
                 a = _forward_tile(h_rows, out_rows, cols, mask, F, stride_hf, stride_of, ACTIVATION)
                 amax = tl.maximum(amax, tl.max(magnitude(a), axis=1))
         s = block_scale(amax, False, POW2, False)
-        outside = scales_outside(s)  # once, not a reduction over every tile below
         # The second loop reads back what every thread of the program wrote in the first.
         tl.debug_barrier()
         for f0 in range(0, F, BLOCK_F):
             cols = f0 + tl.arange(0, BLOCK_F).to(tl.int64)
             mask = row_ok[:, None] & (cols < F)[None, :]
             a = tl.load(out_rows + cols[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
-            tl.store(data_rows + cols[None, :], to_fp8(a, s[:, None], False, EMULATE_FP8, outside), mask=mask)
+            tl.store(data_rows + cols[None, :], to_fp8(a, s[:, None], False, EMULATE_FP8), mask=mask)
             if BACKWARD:
                 dup = tl.load(out_rows + (cols + F)[None, :] * stride_of, mask=mask, other=0.0).to(tl.float32)
-                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8, outside),
+                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8),
                          mask=mask)
         tl.store(scale + rows * stride_sm, s, mask=row_ok)
     else:
@@ -193,9 +192,8 @@ def _glu_kernel(
                 # The whole row is in the tile (masked elements are 0): one scale over both halves.
                 amax = tl.maximum(tl.max(magnitude(dgate), axis=1), tl.max(magnitude(dup), axis=1))
                 s = block_scale(amax, False, POW2, False)
-                outside = scales_outside(s)
-                tl.store(data_rows + cols[None, :], to_fp8(dgate, s[:, None], False, EMULATE_FP8, outside), mask=mask)
-                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8, outside),
+                tl.store(data_rows + cols[None, :], to_fp8(dgate, s[:, None], False, EMULATE_FP8), mask=mask)
+                tl.store(data_rows + (cols + F)[None, :], to_fp8(dup, s[:, None], False, EMULATE_FP8),
                          mask=mask)
                 tl.store(scale + rows * stride_sm, s, mask=row_ok)
         else:
