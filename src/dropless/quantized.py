@@ -4,7 +4,11 @@ A recipe says how a tensor is scaled before its elements are cast to ``float8_e4
 finite value 448): one scale per slice along ``dim`` (``"rowwise"``), per 128 consecutive elements
 along ``dim`` (``"block128"``, DeepSeek-V3's activations), per 128x128 tile of the last two dims
 (``"block128x128"``, DeepSeek-V3's weights), or per 32 elements along ``dim`` with a power-of-two
-E8M0 scale (``"mxfp8"``, OCP MX v1.0). ``x ~= data * scale``, the scale broadcast over its block.
+E8M0 scale (``"mxfp8"``, OCP MX v1.0). ``x ~= data * scale``, the scale broadcast over its block: the
+data is ``x * (1 / scale)`` rounded to fp32 (the reciprocal rounded once a scale, as DeepSeek-V3, torchao
+and Transformer Engine compute it; exactly ``x / scale`` for power-of-two scales), saturated at +-448 and
+rounded to nearest even; fp32 scales are ``amax / 448``, at least ``2**-126`` so that every reciprocal is
+finite, and 1 for a block of zeros.
 
 Layouts (``d`` = the quantized dim, counted from 0):
 - ``data`` has x's shape (per group, see below) and unit stride along ``d``: the quantized dim is
