@@ -344,7 +344,7 @@ def test_dequantize_round_trip(name, opts, dim):
     unit = reference.dequantize(QuantizedTensor(torch.ones_like(q.data), q.scale, q.recipe, q.dim))  # each scale
     saturated = q.data.float().abs() == 448.0
     err = (back - x).abs()
-    slack = 1 + 1e-6  # the fp32 division and the product of dequantization round too
+    slack = 1 + 1e-6  # the fp32 reciprocal and products (scaling, dequantization) round too
     ok = (err <= E4M3_STEP * x.abs() * slack) | (err <= unit * 2.0**-10 * slack) | saturated
     assert bool(ok.all()), f"{int((~ok).sum())} elements off, worst {float(err[~ok].max())}"
     assert torch.equal(back[saturated].abs(), 448.0 * unit[saturated])
