@@ -1,76 +1,30 @@
-"""The layer's gathers with a token's k copies as one tensor dimension, against the kernels of
-``dropless.kernels.permute`` (a loop over the copies, each copy's sorted row loaded inside it), at the three
-layers' shapes: permute plain, permute weighted with the dot products (unpermute's backward), unpermute
-weighted. The copies' rows and weights are loaded once a program, before the walk over the features, and
-every copy's row of a chunk is one load, so a program has k gathers in flight instead of one. Also the
-current kernels at other launch shapes (rows a program, features a chunk, warps). Outputs compared with the
-current kernels'; kernel time replayed from a CUDA graph of 10 calls.
+"""The layer's gathers of ``dropless.kernels.permute`` against a candidate version of that module, each at
+several launch shapes (elements a program, features a chunk, warps), at the three layers' shapes: permute
+plain, permute weighted with the dot products (unpermute's backward), the same writing rowwise FP8 copies
+beside (the FP8 layer's output gradient), the tokens' copies quantized block128 with no rows stored, and
+unpermute weighted. Every output is poisoned before the call and compared with the current module's at its
+default launch; kernel time replayed from a CUDA graph of 10 calls; share of a 1 GiB copy's rate by the
+bytes the call must move.
 
-    PYTHONPATH=src python benchmarks/probe_permute_copies.py
+    git show <commit>:src/dropless/kernels/permute.py > /tmp/permute_candidate.py
+    PYTHONPATH=src python benchmarks/probe_permute_copies.py /tmp/permute_candidate.py
 """
+import importlib.util
 import itertools
+import sys
 
 import torch
 import triton
-import triton.language as tl
 
 from dropless.kernels import permute as current
 from dropless.ops.permute import _invert, sort_by_expert
+from dropless.ops.quantize import empty_quantized
+from dropless.quantized import get_recipe
 
-
-@triton.jit
-def _permute_copies(src, inv_ptr, offsets_ptr, out, w_ptr, other, dw_ptr, T, D, E,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, DOT: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    token_ok = tokens < T
-    copies = tl.arange(0, K_PAD)
-    M = T * TOP_K
-    num_valid = tl.load(offsets_ptr + E - 1)
-    slot_ok = token_ok[:, None] & (copies < TOP_K)[None, :]
-    pos = tl.load(inv_ptr + tokens[:, None] * TOP_K + copies[None, :], mask=slot_ok, other=-1).to(tl.int64)
-    pos_ok = slot_ok & (pos >= 0) & (pos < M)
-    valid = pos_ok & (pos < num_valid)
-    w = valid.to(tl.float32)
-    if WEIGHTED:
-        w = tl.load(w_ptr + tokens[:, None] * TOP_K + copies[None, :], mask=valid, other=0.0).to(tl.float32)
-    dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        row = tl.load(src + tokens[:, None] * D + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                      other=0.0)
-        copy = tl.where(valid[:, :, None], row[:, None, :], 0.0)
-        mask3 = pos_ok[:, :, None] & col_ok[None, None, :]
-        if DOT:
-            y = tl.load(other + pos[:, :, None] * D + cols[None, None, :],
-                        mask=valid[:, :, None] & col_ok[None, None, :], other=0.0)
-            dots += tl.sum(copy.to(tl.float32) * y.to(tl.float32), axis=2)
-        if WEIGHTED:
-            copy = copy.to(tl.float32) * w[:, :, None]
-        tl.store(out + pos[:, :, None] * D + cols[None, None, :], copy.to(out.dtype.element_ty), mask=mask3)
-    if DOT:
-        tl.store(dw_ptr + tokens[:, None] * TOP_K + copies[None, :], dots, mask=slot_ok)
-
-
-@triton.jit
-def _unpermute_copies(src, inv_ptr, offsets_ptr, out, w_ptr, T, D, E,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    token_ok = tokens < T
-    col_ok = cols < D
-    copies = tl.arange(0, K_PAD)
-    num_valid = tl.load(offsets_ptr + E - 1)
-    slot_ok = token_ok[:, None] & (copies < TOP_K)[None, :]
-    pos = tl.load(inv_ptr + tokens[:, None] * TOP_K + copies[None, :], mask=slot_ok, other=0).to(tl.int64)
-    valid = slot_ok & (pos >= 0) & (pos < num_valid) & (pos < T * TOP_K)
-    w = tl.load(w_ptr + tokens[:, None] * TOP_K + copies[None, :], mask=valid, other=0.0).to(tl.float32)
-    rows = tl.load(src + pos[:, :, None] * D + cols[None, None, :], mask=valid[:, :, None] & col_ok[None, None, :],
-                   other=0.0).to(tl.float32)
-    acc = tl.sum(rows * w[:, :, None], axis=1)
-    tl.store(out + tokens[:, None] * D + cols[None, :], acc.to(out.dtype.element_ty),
-             mask=token_ok[:, None] & col_ok[None, :])
+_spec = importlib.util.spec_from_file_location("permute_candidate", sys.argv[1])
+candidate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(candidate)
+ROWWISE, BLOCK128 = get_recipe("rowwise"), get_recipe("block128")
 
 
 def graphed_ms(fn, n=10):
@@ -86,15 +40,15 @@ def graphed_ms(fn, n=10):
     return triton.testing.do_bench(g.replay, warmup=25, rep=100) / n
 
 
-def current_at(block_elements, max_block_d, warps):
-    """Run ``fn`` with the current kernels' launch shape set to these values."""
-    def run(fn):
-        saved = current._BLOCK_ELEMENTS, current._MAX_BLOCK_D, current._NUM_WARPS
-        current._BLOCK_ELEMENTS, current._MAX_BLOCK_D, current._NUM_WARPS = block_elements, max_block_d, warps
+def at_launch(module, block_elements, max_block_d, warps, fn):
+    """``fn`` run with ``module``'s launch shape set to these values."""
+    def run():
+        saved = module._BLOCK_ELEMENTS, module._MAX_BLOCK_D, module._NUM_WARPS
+        module._BLOCK_ELEMENTS, module._MAX_BLOCK_D, module._NUM_WARPS = block_elements, max_block_d, warps
         try:
             fn()
         finally:
-            current._BLOCK_ELEMENTS, current._MAX_BLOCK_D, current._NUM_WARPS = saved
+            module._BLOCK_ELEMENTS, module._MAX_BLOCK_D, module._NUM_WARPS = saved
     return run
 
 
@@ -102,8 +56,12 @@ copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 copy_dst = torch.empty_like(copy_src)
 copy_gbps = 2 * copy_src.numel() / graphed_ms(lambda: copy_dst.copy_(copy_src)) / 1e6
 del copy_src, copy_dst
-print(f"copy 1 GiB: {copy_gbps:.0f} GB/s")
+print(f"copy 1 GiB: {copy_gbps:.0f} GB/s", flush=True)
 LAYERS = (("mixtral", 8192, 4096, 2, 8), ("qwen3", 16384, 2048, 8, 128), ("dsv2lite", 16384, 2048, 6, 64))
+KINDS = ("permute", "permute+dot", "permute+dot+rowwise", "tokens block128", "unpermute")
+DEFAULT = (2048, 256, 4)
+LAUNCHES = {"current": (DEFAULT, (4096, 256, 4), (4096, 256, 8)),
+            "candidate": (*itertools.product((2048, 4096, 8192), (256,), (4, 8)), (4096, 128, 4), (4096, 128, 8))}
 results = []
 for name, T, d, k, E in LAYERS:
     torch.manual_seed(0)
@@ -114,64 +72,68 @@ for name, T, d, k, E in LAYERS:
     inv = _invert(order)
     M = T * k
     y = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
-    ref_plain = torch.empty(M, d, device="cuda", dtype=torch.bfloat16)
-    ref_w = torch.empty_like(ref_plain)
-    ref_dw = torch.empty(M, device="cuda")
-    ref_un = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
-    current.permute_rows(x, inv, offsets, k, ref_plain)
-    current.permute_rows(x, inv, offsets, k, ref_w, w, other=y, dweights=ref_dw)
-    current.unpermute_rows(y, inv, offsets, k, ref_un, w)
-    out = torch.empty_like(ref_plain)
-    dw = torch.empty_like(ref_dw)
-    un = torch.empty_like(ref_un)
-    nbytes = {"permute": (T + M) * d * 2, "permute+dot": (T + 2 * M) * d * 2, "unpermute": (T + M) * d * 2}
+    out = torch.empty(M, d, device="cuda", dtype=torch.bfloat16)
+    dw = torch.empty(M, device="cuda")
+    un = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
+    row_q = empty_quantized((M, d), ROWWISE, 1, None, x.device)
+    blk_q = empty_quantized((M, d), BLOCK128, 1, None, x.device)
+    outputs = {"permute": (out,), "permute+dot": (out, dw), "permute+dot+rowwise": (out, dw, *row_q),
+               "tokens block128": blk_q, "unpermute": (un,)}
+    calls = {
+        "permute": lambda m: m.permute_rows(x, inv, offsets, k, out),
+        "permute+dot": lambda m: m.permute_rows(x, inv, offsets, k, out, w, other=y, dweights=dw),
+        "permute+dot+rowwise": lambda m: m.permute_rows(x, inv, offsets, k, out, w, other=y, dweights=dw,
+                                                        quantized=(*row_q, ROWWISE)),
+        "tokens block128": lambda m: m.permute_rows(x, inv, offsets, k, None, quantized=(*blk_q, BLOCK128)),
+        "unpermute": lambda m: m.unpermute_rows(y, inv, offsets, k, un, w),
+    }
+    moved = {"permute": (T + M) * d * 2, "permute+dot": (T + 2 * M) * d * 2,
+             "permute+dot+rowwise": (2 * T + 2 * M) * d * 2 + M * d, "tokens block128": T * d * 2 + M * d,
+             "unpermute": (T + M) * d * 2}
 
-    def check(kind):
-        if kind == "permute":
-            return torch.equal(out, ref_plain)
-        if kind == "permute+dot":
-            return torch.equal(out, ref_w) and torch.allclose(dw, ref_dw, rtol=1e-4, atol=1e-2)
-        return torch.allclose(un.float(), ref_un.float(), rtol=1e-2, atol=1e-2)  # the k copies summed in another order
+    def poison():
+        for t in (out, dw, un, *row_q, *blk_q):
+            t.view(torch.uint8).fill_(0xFF)  # NaN in every float format used here
 
-    def time(kind, label, fn):
-        out.fill_(float("nan")); dw.fill_(float("nan")); un.fill_(float("nan"))
-        fn()
-        ok = check(kind)
-        ms = graphed_ms(fn)
-        share = nbytes[kind] / ms / 1e6 / copy_gbps
-        results.append((name, kind, label, ms * 1e3, share, ok))
-        print(f"{name:9s} {kind:12s} {label:34s} {ms * 1e3:7.1f} us  {share:.2f} of copy  {'same' if ok else 'DIFFER'}",
-              flush=True)
+    def snapshot(kind):
+        return [t.clone() for t in outputs[kind]]
 
-    for be, bd, nw in itertools.product((2048, 8192), (256, 512), (4, 8)):
-        run = current_at(be, bd, nw)
-        label = f"current {be} el, D {bd}, {nw} warps"
-        time("permute", label, lambda: run(lambda: current.permute_rows(x, inv, offsets, k, out)))
-        time("permute+dot", label, lambda: run(lambda: current.permute_rows(x, inv, offsets, k, out, w, other=y,
-                                                                            dweights=dw)))
-        time("unpermute", label, lambda: run(lambda: current.unpermute_rows(y, inv, offsets, k, un, w)))
-    kp = triton.next_power_of_2(k)
-    for bt, bd, nw in itertools.product((1, 2, 4), (128, 256, 512), (4, 8)):
-        if bt * kp * bd > 16384 or bt * kp * bd < 512:
-            continue
-        label = f"copies {bt} tok, D {bd}, {nw} warps"
-        grid = (triton.cdiv(T, bt),)
-        time("permute", label, lambda: _permute_copies[grid](
-            x, inv, offsets, out, w, x, dw, T, d, E, TOP_K=k, K_PAD=kp, WEIGHTED=False, DOT=False,
-            BLOCK_T=bt, BLOCK_D=bd, num_warps=nw))
-        time("permute+dot", label, lambda: _permute_copies[grid](
-            x, inv, offsets, out, w, y, dw, T, d, E, TOP_K=k, K_PAD=kp, WEIGHTED=True, DOT=True,
-            BLOCK_T=bt, BLOCK_D=bd, num_warps=nw))
-        time("unpermute", label, lambda: _unpermute_copies[(triton.cdiv(T, bt), triton.cdiv(d, bd))](
-            y, inv, offsets, un, w, T, d, E, TOP_K=k, K_PAD=kp, BLOCK_T=bt, BLOCK_D=bd, num_warps=nw))
+    refs = {}
+    for kind in KINDS:
+        poison()
+        calls[kind](current)
+        refs[kind] = snapshot(kind)
+    for (label, module), kind in itertools.product((("current", current), ("candidate", candidate)), KINDS):
+        for launch in LAUNCHES[label]:
+            fn = at_launch(module, *launch, lambda: calls[kind](module))
+            poison()
+            fn()
+            got = snapshot(kind)
+            # dot products and the unpermute's sum may be summed in another order: to fp32 rounding, then
+            # rounded once to bf16.
+            exact = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, refs[kind]))
+            close = all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2, equal_nan=False)
+                        for a, b in zip(got, refs[kind]))
+            ms = graphed_ms(fn)
+            share = moved[kind] / ms / 1e6 / copy_gbps
+            results.append((name, kind, label, launch, ms * 1e3, share, exact, close))
+            print(f"{name:9s} {kind:20s} {label:9s} {str(launch):18s} {ms * 1e3:7.1f} us  {share:.2f} of copy  "
+                  f"{'bits' if exact else 'close' if close else 'DIFFER'}", flush=True)
 
-print("\nbest a layer and kind (current default: 2048 el, D 256, 4 warps)")
-for name, kind in itertools.product([l[0] for l in LAYERS], ("permute", "permute+dot", "unpermute")):
-    rows = [r for r in results if r[0] == name and r[1] == kind and r[5]]
-    default = next(r for r in rows if r[2] == "current 2048 el, D 256, 4 warps")
-    best_cur = min((r for r in rows if r[2].startswith("current")), key=lambda r: r[3])
-    best_new = min((r for r in rows if r[2].startswith("copies")), key=lambda r: r[3])
-    print(f"| {name} | {kind} | default {default[3]:.0f} us ({default[4]:.2f}) | best current {best_cur[2]} "
-          f"{best_cur[3]:.0f} us ({best_cur[4]:.2f}) | best copies {best_new[2]} {best_new[3]:.0f} us ({best_new[4]:.2f}) |")
-bad = [r for r in results if not r[5]]
-print(f"{len(bad)} of {len(results)} differ" + "".join(f"\n  {r[:3]}" for r in bad[:10]))
+print(f"\n| layer | kind | current {DEFAULT} | best candidate | ratio |")
+print("|---|---|---|---|---|")
+for name, kind in itertools.product([l[0] for l in LAYERS], KINDS):
+    rows = [r for r in results if r[0] == name and r[1] == kind]
+    base = next(r for r in rows if r[2] == "current" and r[3] == DEFAULT)
+    best = min((r for r in rows if r[2] == "candidate" and r[7]), key=lambda r: r[4], default=None)
+    if best is None:
+        print(f"| {name} | {kind} | {base[4]:.0f} us ({base[5]:.2f}) | none close | |")
+        continue
+    print(f"| {name} | {kind} | {base[4]:.0f} us ({base[5]:.2f}) | {best[3]} {best[4]:.0f} us ({best[5]:.2f}, "
+          f"{'bits' if best[6] else 'close'}) | {base[4] / best[4]:.2f}x |")
+print("\ncandidate launches, total us over the layers and kinds:")
+for launch in LAUNCHES["candidate"]:
+    rows = [r for r in results if r[2] == "candidate" and r[3] == launch]
+    print(f"  {launch}: {sum(r[4] for r in rows):.0f} us, all close: {all(r[7] for r in rows)}")
+bad = [r[:4] for r in results if not r[7]]
+print(f"{len(bad)} of {len(results)} differ" + "".join(f"\n  {r}" for r in bad[:10]))
