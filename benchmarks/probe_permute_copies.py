@@ -7,7 +7,9 @@ default launch; kernel time replayed from a CUDA graph of 10 calls; share of a 1
 bytes the call must move.
 
     git show <commit>:src/dropless/kernels/permute.py > /tmp/permute_candidate.py
-    PYTHONPATH=src python benchmarks/probe_permute_copies.py /tmp/permute_candidate.py
+    PYTHONPATH=src python benchmarks/probe_permute_copies.py /tmp/permute_candidate.py [ELEMENTS,BLOCK_D,WARPS ...]
+
+The candidate's launches are the arguments after its path (default 8192,256,4).
 """
 import importlib.util
 import itertools
@@ -60,8 +62,8 @@ print(f"copy 1 GiB: {copy_gbps:.0f} GB/s", flush=True)
 LAYERS = (("mixtral", 8192, 4096, 2, 8), ("qwen3", 16384, 2048, 8, 128), ("dsv2lite", 16384, 2048, 6, 64))
 KINDS = ("permute", "permute+dot", "permute+dot+rowwise", "tokens block128", "unpermute")
 DEFAULT = (2048, 256, 4)
-LAUNCHES = {"current": (DEFAULT, (4096, 256, 4), (4096, 256, 8)),
-            "candidate": (*itertools.product((2048, 4096, 8192), (256,), (4, 8)), (4096, 128, 4), (4096, 128, 8))}
+LAUNCHES = {"current": (DEFAULT,), "candidate": (tuple(tuple(int(v) for v in a.split(",")) for a in sys.argv[2:])
+                                               or ((8192, 256, 4),))}
 results = []
 for name, T, d, k, E in LAYERS:
     torch.manual_seed(0)
