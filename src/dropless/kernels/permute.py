@@ -234,9 +234,9 @@ _UNPERMUTE = DirectLaunch(_unpermute_kernel)
 
 
 def _blocks(rows: int, D: int, copies: int, elements: int, qblock: int = 0) -> tuple[int, int]:
-    """(token rows per program, BLOCK_D): up to 256 contiguous features (a multiple of ``qblock``), about
-    ``elements`` elements a program (token rows x ``copies`` x BLOCK_D)."""
-    block_d = max(min(max(next_power_of_2(D), 16), _MAX_BLOCK_D), qblock)
+    """(token rows per program, BLOCK_D): up to 256 contiguous features (a multiple of ``qblock``; fewer
+    where ``copies`` is large), about ``elements`` elements a program (token rows x ``copies`` x BLOCK_D)."""
+    block_d = max(min(next_power_of_2(D), _MAX_BLOCK_D, elements // copies), 16, qblock)
     block_rows = max(min(elements // (block_d * copies), max(next_power_of_2(rows), 1)), 1)
     return block_rows, block_d
 
