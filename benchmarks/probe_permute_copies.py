@@ -9,7 +9,9 @@ bytes the call must move.
     git show <commit>:src/dropless/kernels/permute.py > /tmp/permute_candidate.py
     PYTHONPATH=src python benchmarks/probe_permute_copies.py /tmp/permute_candidate.py [ELEMENTS,BLOCK_D,WARPS ...]
 
-The candidate's launches are the arguments after its path (default 8192,256,4).
+The candidate's launches are the arguments after its path (default 8192,256,4): they set the module's
+``_BLOCK_ELEMENTS``, ``_MAX_BLOCK_D`` and ``_NUM_WARPS`` (a module whose block-recipe kernel takes its chunk
+from another constant keeps that chunk).
 """
 import importlib.util
 import itertools

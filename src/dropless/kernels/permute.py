@@ -57,15 +57,15 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _copy_slots(inv_ptr, w_ptr, tokens64, copies, slot_ok, offsets_ptr, T, E, stride_w_t, stride_w_j,
+def _copy_slots(inv_ptr, w_ptr, tokens64, copies, slot_ok, num_valid, T, stride_w_t, stride_w_j,
                 TOP_K: tl.constexpr, WEIGHTED: tl.constexpr):
     """Copies ``copies`` of tokens ``tokens64`` (broadcast together; ``slot_ok`` where both exist): their
     sorted rows, whether each row is written (in ``[0, M)``), whether it holds the copy (before
-    ``offsets[E-1]``; past it, zeros) and the copy's weight (0 where not valid; unweighted, 1 where
-    valid)."""
+    ``num_valid``, the local experts' rows; past it, zeros) and the copy's weight (0 where not valid;
+    unweighted, 1 where valid)."""
     pos = tl.load(inv_ptr + tokens64 * TOP_K + copies, mask=slot_ok, other=-1).to(tl.int64)
     pos_ok = slot_ok & (pos >= 0) & (pos < T * TOP_K)
-    valid = pos_ok & (pos < tl.load(offsets_ptr + E - 1))
+    valid = pos_ok & (pos < num_valid)
     w = valid.to(tl.float32)
     if WEIGHTED:
         w = tl.load(w_ptr + tokens64 * stride_w_t + copies * stride_w_j, mask=valid, other=0.0).to(tl.float32)
@@ -104,8 +104,8 @@ def _permute_kernel(
     tokens64 = tokens.to(tl.int64)
     copies = tl.arange(0, K_PAD)
     slot_ok = token_ok[:, None] & (copies < TOP_K)[None, :]
-    pos, pos_ok, valid, w = _copy_slots(inv_ptr, w_ptr, tokens64[:, None], copies[None, :], slot_ok, offsets_ptr,
-                                        T, E, stride_w_t, stride_w_j, TOP_K, WEIGHTED)
+    pos, pos_ok, valid, w = _copy_slots(inv_ptr, w_ptr, tokens64[:, None], copies[None, :], slot_ok,
+                                        tl.load(offsets_ptr + E - 1), T, stride_w_t, stride_w_j, TOP_K, WEIGHTED)
     dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     if ROWWISE:
         amax = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -160,6 +160,7 @@ def _permute_blocks_kernel(
     token_ok = tokens < T
     tokens64 = tokens.to(tl.int64)
     copies = tl.arange(0, K_PAD)
+    num_valid = tl.load(offsets_ptr + E - 1)
     dots = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -167,8 +168,8 @@ def _permute_blocks_kernel(
         row = tl.load(src + tokens64[:, None] * stride_src_t + cols[None, :] * stride_src_d,
                       mask=token_ok[:, None] & col_ok[None, :], other=0.0)
         for j in range(TOP_K):
-            pos, pos_ok, valid, w = _copy_slots(inv_ptr, w_ptr, tokens64, j, token_ok, offsets_ptr, T, E,
-                                                stride_w_t, stride_w_j, TOP_K, WEIGHTED)
+            pos, pos_ok, valid, w = _copy_slots(inv_ptr, w_ptr, tokens64, j, token_ok, num_valid, T, stride_w_t,
+                                                stride_w_j, TOP_K, WEIGHTED)
             copy = tl.where(valid[:, None], row, 0.0)
             if DOT:
                 y = tl.load(other + pos[:, None] * stride_other_m + cols[None, :] * stride_other_d,
@@ -215,8 +216,8 @@ def _unpermute_kernel(
     tokens64 = tokens.to(tl.int64)
     copies = tl.arange(0, K_PAD)
     pos, pos_ok, valid, w = _copy_slots(inv_ptr, w_ptr, tokens64[:, None], copies[None, :],
-                                        token_ok[:, None] & (copies < TOP_K)[None, :], offsets_ptr, T, E,
-                                        stride_w_t, stride_w_j, TOP_K, WEIGHTED)
+                                        token_ok[:, None] & (copies < TOP_K)[None, :],
+                                        tl.load(offsets_ptr + E - 1), T, stride_w_t, stride_w_j, TOP_K, WEIGHTED)
     # Every copy's chunk in one gather; the k copies summed in fp32 in the same order whatever the
     # routing: the result is deterministic.
     rows = tl.load(src + pos[:, :, None] * stride_src_m + cols[None, None, :] * stride_src_d,
