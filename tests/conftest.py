@@ -39,6 +39,10 @@ quantize_module = importlib.import_module("dropless.ops.quantize")  # the module
 # The device the Triton kernels run on: the GPU when there is one, else the CPU under the interpreter.
 KERNEL_DEVICE = torch.device("cuda" if CUDA else "cpu")
 INTERPRETING = not CUDA
+# Tests whose gloo ranks run Triton kernels on CPU tensors: the interpreter, which this suite turns on only
+# where there is no GPU (above). Their GPU twins cover the same paths on GPUs.
+CPU_KERNELS = pytest.mark.skipif(CUDA, reason="Triton kernels on CPU tensors run only under the interpreter, "
+                                              "which the suite uses where there is no GPU")
 
 # Relative Frobenius error ||out - ref|| / ||ref|| allowed against an fp64 reference computed from the
 # same (rounded) inputs. fp32 kernels multiply with full-fp32 'ieee' dots.

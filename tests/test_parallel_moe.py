@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import CPU_KERNELS
 from multiprocess import rank_device, run_ranks
 
 import dropless
@@ -80,6 +81,7 @@ def test_expert_parallel_layer_matches_the_full_layer(world, tokens, E, shared):
     (2, [9, 14], 4, True),
     (4, [6, 3, 0, 10], 8, False),
 ], ids=["2-ranks-shared", "4-ranks"])
+@CPU_KERNELS
 def test_symmetric_memory_layer_matches_the_full_layer(world, tokens, E, shared):
     run_ranks(world, _worker, tokens, E, shared, 0, "symmetric_memory")
 
@@ -132,6 +134,7 @@ def test_fp8_rows_travel_quantized(recipe):
     run_ranks(2, _fp8_worker, recipe)
 
 
+@CPU_KERNELS
 def test_fp8_rows_travel_quantized_through_symmetric_memory():
     run_ranks(2, _fp8_worker, "rowwise", "symmetric_memory")
 
