@@ -136,6 +136,39 @@ def test_route_kernels_match_torch_forward_and_backward(T, E, k, score_func, ren
     torch.testing.assert_close(out_grad.cpu(), ref_grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("min_programs, sum_elements", [(1, 8192), (4, 64), (512, 8192), (512, 16)])
+@pytest.mark.parametrize("T,E,k", [(300, 8, 2), (130, 128, 8), (77, 6, 3)])
+def test_route_kernels_tiled_any_way_match_torch(T, E, k, min_programs, sum_elements, triton_backend, monkeypatch):
+    """However the rows are split over programs (many rows a program, or one; the partial sums read in
+    one step or many), the kernels give the PyTorch composition's ids, counts, sort, weights, losses and
+    gradient."""
+    from dropless.kernels import route as route_kernels
+
+    logits = torch.randn(T, E) * 2
+    logits[: T // 3, 1] += 4.0  # one expert most tokens take
+    grad_weights = torch.randn(T, k)
+    dropless.set_backend("reference")
+    z_ref = logits.clone().requires_grad_()
+    ref = route(z_ref, k)
+    _route_loss(ref, grad_weights, 0.7, 0.3).backward()
+    dropless.set_backend("triton")
+    monkeypatch.setattr(route_kernels, "_MIN_PROGRAMS", min_programs)
+    monkeypatch.setattr(route_kernels, "_SUM_ELEMENTS", sum_elements)
+    z = logits.to(KERNEL_DEVICE).requires_grad_()
+    _poison_empty(monkeypatch)
+    out = route(z, k, sort=True)
+    _route_loss(out, grad_weights.to(KERNEL_DEVICE), 0.7, 0.3).backward()
+    monkeypatch.undo()
+    slots, sizes, offsets = sort_by_expert(ref.expert_ids, E)
+    assert torch.equal(out.expert_ids.cpu(), ref.expert_ids)
+    assert torch.equal(out.tokens_per_expert.cpu(), sizes) and torch.equal(out.offsets.cpu(), offsets)
+    assert torch.equal(out.sorted_to_token_slot.cpu(), slots)
+    torch.testing.assert_close(out.weights.cpu(), ref.weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss.cpu(), ref.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.z_loss.cpu(), ref.z_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(z.grad.cpu(), z_ref.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("uses", ["weights", "aux", "z"])
 def test_route_kernel_gradient_of_each_output_alone(uses, triton_backend):
     """A gradient from one output only (the others' are None), checked against the reference backend."""
