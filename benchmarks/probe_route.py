@@ -5,10 +5,10 @@ current module at several launch shapes. Every output is compared with the earli
 and the sort equal, weights, losses and the logits' gradient within fp32 rounding.
 
     git show <commit>:src/dropless/kernels/route.py > /tmp/route_base.py
-    PYTHONPATH=src python benchmarks/probe_route.py /tmp/route_base.py [ELEMENTS,MIN_PROGRAMS,WARPS,SUM_WARPS ...]
+    PYTHONPATH=src python benchmarks/probe_route.py /tmp/route_base.py [ELEMENTS,MIN_PROGRAMS,WARPS ...]
 
-The launches after the path set the current module's ``_BLOCK_ELEMENTS``, ``_MIN_PROGRAMS``, ``_NUM_WARPS`` and
-``_SUM_WARPS`` (default: the module's own, then 2048 and 1024 elements).
+The launches after the path set the current module's ``_BLOCK_ELEMENTS``, ``_MIN_PROGRAMS`` and ``_NUM_WARPS``
+(default: the module's own, then 2048 and 1024 elements, then 1,024 programs at least).
 """
 import importlib.util
 import sys
@@ -22,7 +22,7 @@ _spec = importlib.util.spec_from_file_location("route_base", sys.argv[1])
 base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)
 LAYERS = {"mixtral": (8192, 8, 2), "qwen3": (16384, 128, 8), "dsv2lite": (16384, 64, 6)}
-NAMES = ("_BLOCK_ELEMENTS", "_MIN_PROGRAMS", "_NUM_WARPS", "_SUM_WARPS")
+NAMES = ("_BLOCK_ELEMENTS", "_MIN_PROGRAMS", "_NUM_WARPS")
 
 
 def graphed_us(fn, n=10):

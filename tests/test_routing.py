@@ -136,12 +136,12 @@ def test_route_kernels_match_torch_forward_and_backward(T, E, k, score_func, ren
     torch.testing.assert_close(out_grad.cpu(), ref_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("min_programs, sum_elements", [(1, 8192), (4, 64), (512, 8192), (512, 16)])
+@pytest.mark.parametrize("min_programs, block_elements", [(1, 4096), (4, 64), (256, 4096), (256, 16)])
 @pytest.mark.parametrize("T,E,k", [(300, 8, 2), (130, 128, 8), (77, 6, 3)])
-def test_route_kernels_tiled_any_way_match_torch(T, E, k, min_programs, sum_elements, triton_backend, monkeypatch):
+def test_route_kernels_tiled_any_way_match_torch(T, E, k, min_programs, block_elements, triton_backend, monkeypatch):
     """However the rows are split over programs (many rows a program, or one; the partial sums read in
-    one step or many), the kernels give the PyTorch composition's ids, counts, sort, weights, losses and
-    gradient."""
+    one step or many: both follow ``_BLOCK_ELEMENTS``), the kernels give the PyTorch composition's ids,
+    counts, sort, weights, losses and gradient."""
     from dropless.kernels import route as route_kernels
 
     logits = torch.randn(T, E) * 2
@@ -153,7 +153,7 @@ def test_route_kernels_tiled_any_way_match_torch(T, E, k, min_programs, sum_elem
     _route_loss(ref, grad_weights, 0.7, 0.3).backward()
     dropless.set_backend("triton")
     monkeypatch.setattr(route_kernels, "_MIN_PROGRAMS", min_programs)
-    monkeypatch.setattr(route_kernels, "_SUM_ELEMENTS", sum_elements)
+    monkeypatch.setattr(route_kernels, "_BLOCK_ELEMENTS", block_elements)
     z = logits.to(KERNEL_DEVICE).requires_grad_()
     _poison_empty(monkeypatch)
     out = route(z, k, sort=True)

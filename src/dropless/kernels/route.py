@@ -22,10 +22,8 @@ from dropless.kernels.launch import cdiv, launch_info, next_power_of_2
 
 MAX_E = 1024  # the widest row a program holds in registers
 _BLOCK_ELEMENTS = 4096  # rows per program at most _BLOCK_ELEMENTS // BLOCK_E
-_MIN_PROGRAMS = 512  # rows per program at most T / _MIN_PROGRAMS (a power of two), so that few experts fill the GPU
+_MIN_PROGRAMS = 256  # rows per program at most T / _MIN_PROGRAMS (a power of two), so that few experts fill the GPU
 _NUM_WARPS = 4
-_SUM_ELEMENTS = 8192  # partial sums a step of the sums kernel reads
-_SUM_WARPS = 8
 _SCATTER_BLOCK = 1024  # copies per program of the sort's scatter
 
 
@@ -141,18 +139,19 @@ def _route_sums_kernel(part_counts, part_probs, part_z, counts, losses, offsets,
                        SORT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     cols = tl.arange(0, BLOCK_E)
     prows = tl.arange(0, BLOCK_P)
-    per_expert = tl.zeros((BLOCK_E,), tl.int32)
-    probs = tl.zeros((BLOCK_E,), tl.float32)
+    count = tl.zeros((BLOCK_P, BLOCK_E), tl.int32)
+    probs = tl.zeros((BLOCK_P, BLOCK_E), tl.float32)
     z = tl.zeros((BLOCK_P,), tl.float32)
     for p0 in range(0, programs, BLOCK_P):
         p = p0 + prows
         ok = p < programs
         at = p[:, None] * BLOCK_E + cols[None, :]
-        per_expert += tl.sum(tl.load(part_counts + at, mask=ok[:, None], other=0), axis=0)
-        probs += tl.sum(tl.load(part_probs + at, mask=ok[:, None], other=0.0), axis=0)
+        count += tl.load(part_counts + at, mask=ok[:, None], other=0)
+        probs += tl.load(part_probs + at, mask=ok[:, None], other=0.0)
         z += tl.load(part_z + p, mask=ok, other=0.0)
+    per_expert = tl.sum(count, axis=0)
     tl.store(counts + cols, per_expert, mask=cols < E)
-    tl.store(losses, aux_scale * tl.sum(per_expert.to(tl.float32) * probs, axis=0))
+    tl.store(losses, aux_scale * tl.sum(per_expert.to(tl.float32) * tl.sum(probs, axis=0), axis=0))
     tl.store(losses + 1, z_scale * tl.sum(z, axis=0))
     if SORT:
         ends = tl.cumsum(per_expert, axis=0)
@@ -241,8 +240,8 @@ _ROUTE_BACKWARD = DirectLaunch(_route_backward_kernel)
 
 def _block_rows(E: int, T: int) -> tuple[int, int]:
     """``(rows a program routes, E padded)``: a tile of at most ``_BLOCK_ELEMENTS`` logits, and at least
-    ``_MIN_PROGRAMS`` programs where T allows (E = 8 would otherwise give 512 rows a program and a few
-    programs for the whole GPU)."""
+    ``_MIN_PROGRAMS`` programs where T allows (E = 8 would otherwise give 512 rows a program: 16 programs
+    for 8,192 tokens)."""
     block_e = max(next_power_of_2(E), 2)
     return max(min(_BLOCK_ELEMENTS // block_e, next_power_of_2(cdiv(T, _MIN_PROGRAMS))), 1), block_e
 
@@ -288,7 +287,7 @@ def route_forward(logits: torch.Tensor, top_k: int, softmax: bool, renormalize: 
     aux_scale, z_scale = _loss_scales(T, E, top_k)
     _ROUTE_SUMS((1,), part_counts=part_counts, part_probs=part_probs, part_z=part_z, counts=counts, losses=losses,
                 offsets=offsets, programs=programs, E=E, aux_scale=aux_scale, z_scale=z_scale, SORT=sort,
-                BLOCK_P=max(_SUM_ELEMENTS // block_e, 1), BLOCK_E=block_e, num_warps=_SUM_WARPS)
+                BLOCK_P=max(_BLOCK_ELEMENTS // block_e, 1), BLOCK_E=block_e, num_warps=_NUM_WARPS)
     if not sort:
         return weights, ids, counts, losses
     sorted_to_token_slot = torch.empty(T * top_k, dtype=torch.int32, device=device)
