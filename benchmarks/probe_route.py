@@ -1,7 +1,7 @@
 """The routing kernels of ``dropless.kernels.route`` against an earlier version of that module, at the three
 layers' shapes (``bench moe``'s T, E, k, softmax top-k with the sort, as the one-GPU layer calls it): the
-forward (routing, sums, sort's scatter) and the backward, each replayed from a CUDA graph of 10 calls, the
-current module at several launch shapes. Every output is compared with the earlier module's: ids, counts
+forward (routing, sums, sort's scatter) and the backward, each the median call of a CUDA graph of 10 calls
+replayed, the current module at several launch shapes. Every output is compared with the earlier module's: ids, counts
 and the sort equal, weights, losses and the logits' gradient within fp32 rounding.
 
     git show <commit>:src/dropless/kernels/route.py > /tmp/route_base.py
@@ -16,6 +16,7 @@ import sys
 import torch
 import triton
 
+from dropless.bench.timing import graphed_median_ms
 from dropless.kernels import route as current
 
 _spec = importlib.util.spec_from_file_location("route_base", sys.argv[1])
@@ -25,17 +26,8 @@ LAYERS = {"mixtral": (8192, 8, 2), "qwen3": (16384, 128, 8), "dsv2lite": (16384,
 NAMES = ("_BLOCK_ELEMENTS", "_MIN_PROGRAMS", "_NUM_WARPS")
 
 
-def graphed_us(fn, n=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(n):
-            fn()
-    return 1e3 * triton.testing.do_bench(g.replay, warmup=25, rep=100) / n
+def graphed_us(fn):
+    return 1e3 * graphed_median_ms(fn, torch.device("cuda"), warmup=25, rep=100)
 
 
 def launched(module, values):
