@@ -85,7 +85,7 @@ def test_moe_matches_loop(backend, name):
     assert rel_err(moe.experts_gate_up.weight.grad, params["gate_up"].grad) <= REL_TOL[dtype]
     assert rel_err(moe.experts_down.weight.grad, params["down"].grad) <= REL_TOL[dtype]
     assert rel_err(moe.router.weight.grad, params["router"].grad) <= REL_TOL[dtype]
-    if moe.shared_experts is not None:  # on a GPU they run on a second stream
+    if moe.shared_experts is not None:
         assert rel_err(moe.shared_experts.gate_up.weight.grad, params["shared_gate_up"].grad) <= REL_TOL[dtype]
         assert rel_err(moe.shared_experts.down.weight.grad, params["shared_down"].grad) <= REL_TOL[dtype]
 
