@@ -10,6 +10,7 @@ and the sort equal, weights, losses and the logits' gradient within fp32 roundin
 The launches after the path set the current module's ``_BLOCK_ELEMENTS``, ``_MIN_PROGRAMS`` and ``_NUM_WARPS``
 (default: the module's own, then 2048 and 1024 elements, then 1,024 programs at least).
 """
+import contextlib
 import importlib.util
 import sys
 
@@ -30,19 +31,18 @@ def graphed_us(fn):
     return 1e3 * graphed_median_ms(fn, torch.device("cuda"), warmup=25, rep=100)
 
 
+@contextlib.contextmanager
 def launched(module, values):
-    """A context setting ``module``'s launch constants to ``values`` (those it has)."""
-    class Launch:
-        def __enter__(self):
-            self.saved = {n: getattr(module, n) for n in NAMES if hasattr(module, n)}
-            for name, value in zip(NAMES, values):
-                if hasattr(module, name):
-                    setattr(module, name, value)
-
-        def __exit__(self, *exc):
-            for name, value in self.saved.items():
-                setattr(module, name, value)
-    return Launch()
+    """``module``'s launch constants set to ``values`` (those it has) for the block."""
+    saved = {n: getattr(module, n) for n in NAMES if hasattr(module, n)}
+    for name, value in zip(NAMES, values):
+        if hasattr(module, name):
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def run(module, logits, k, grad_w, grad_losses):
